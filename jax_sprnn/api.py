@@ -1,0 +1,61 @@
+"""The functional API: sparse rnn / lstm / gru over a precomputed input projection."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_sprnn import reference, validation
+from jax_sprnn.weights import SparseWeights
+
+IMPLEMENTATIONS = ("auto", "kernel", "reference")
+
+
+def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    xp = jnp.asarray(xp)
+    carry = tuple(jnp.asarray(c) for c in carry)
+    b_hn = None if b_hn is None else jnp.asarray(b_hn)
+    lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
+    steps, batch, _ = xp.shape
+    if steps == 0 or batch == 0:  # nothing to run: empty outputs, carry unchanged
+        return jnp.zeros((steps, batch, w.hidden_size), xp.dtype), carry
+    if implementation == "reference":
+        return reference.recurrence(cell, xp, carry, w.to_dense(), lengths, b_hn,
+                                    reverse=bool(reverse), activation=activation)
+    from jax_sprnn.primitives import autodiff  # noqa: PLC0415 (keeps import light)
+
+    return autodiff.sparse_recurrence(cell, xp, carry, w, lengths, b_hn,
+                                      reverse=bool(reverse), activation=activation)
+
+
+def rnn(xp, h0, w: SparseWeights, activation: str = "tanh", seq_lengths=None, reverse=False, *,
+        implementation: str = "auto"):
+    """Simple RNN ``h' = act(xp_t + h @ W)``. xp: (T, B, H). Returns (ys (T, B, H), h_T)."""
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
+    ys, (h,) = _run("rnn", xp, (h0,), w, None, seq_lengths, reverse,
+                    reference.ACTIVATIONS[activation], implementation)
+    return ys, h
+
+
+def lstm(xp, carry, w: SparseWeights, seq_lengths=None, reverse=False, *,
+         implementation: str = "auto"):
+    """LSTM (Flax's LSTMCell, gates i, f, g, o). xp: (T, B, 4H); carry (c0, h0).
+
+    Returns (ys (T, B, H), (c_T, h_T)).
+    """
+    if not isinstance(carry, (tuple, list)) or len(carry) != 2:
+        raise TypeError("lstm's carry must be a pair (c0, h0)")
+    ys, (c, h) = _run("lstm", xp, tuple(carry), w, None, seq_lengths, reverse, 0, implementation)
+    return ys, (c, h)
+
+
+def gru(xp, h0, w: SparseWeights, b_hn, seq_lengths=None, reverse=False, *,
+        implementation: str = "auto"):
+    """GRU (Flax's GRUCell, gates r, z, n; b_hn is the hidden-side bias of n). xp: (T, B, 3H).
+
+    Returns (ys (T, B, H), h_T).
+    """
+    ys, (h,) = _run("gru", xp, (h0,), w, b_hn, seq_lengths, reverse, 0, implementation)
+    return ys, h
