@@ -36,8 +36,11 @@ def cell_step(cell: str, activation: int, carry, x, hw, b_hn):
 
 
 def recurrence(cell: str, xp, carry: tuple, kernel, lengths, b_hn=None, *, reverse=False,
-               activation: int = 0):
-    """Runs the cell over time. carry is (h,) or, for lstm, (c, h). Returns (ys, carry_T)."""
+               activation: int = 0, return_cell_states: bool = False):
+    """Runs the cell over time. carry is (h,) or, for lstm, (c, h). Returns (ys, carry_T).
+
+    With return_cell_states (lstm), also returns every step's cell state (0 at invalid steps).
+    """
     dtype = xp.dtype
     f32 = jnp.float32
     steps = xp.shape[0]
@@ -51,8 +54,12 @@ def recurrence(cell: str, xp, carry: tuple, kernel, lengths, b_hn=None, *, rever
         new = cell_step(cell, activation, state, x.astype(f32), hw, b)
         valid = (t < lengths)[:, None]
         state = tuple(jnp.where(valid, n, o) for n, o in zip(new, state))
-        return state, jnp.where(valid, new[-1], 0.0)
+        return state, tuple(jnp.where(valid, n, 0.0) for n in new)
 
     state0 = tuple(c.astype(f32) for c in carry)
-    final, ys = lax.scan(step, state0, (xp, jnp.arange(steps)), reverse=reverse)
-    return ys.astype(dtype), tuple(c.astype(dtype) for c in final)
+    final, seqs = lax.scan(step, state0, (xp, jnp.arange(steps)), reverse=reverse)
+    ys = seqs[-1].astype(dtype)
+    final = tuple(c.astype(dtype) for c in final)
+    if return_cell_states:
+        return ys, final, seqs[0].astype(dtype)
+    return ys, final

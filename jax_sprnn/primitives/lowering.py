@@ -1,0 +1,74 @@
+"""Lowering of the primitives: through custom partitioning, then to each platform's handler.
+
+forward_p/backward_p with ``local=False`` lower through ``sharding.partitioned`` (so a batch
+sharded over a mesh runs shard by shard); the per-shard call binds ``local=True``, which lowers
+to the C++ handler on CPU, the CUDA kernel on GPU, or the pure-JAX fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.interpreters import mlir
+
+from jax_sprnn import _ffi
+from jax_sprnn.primitives import cuda_lowering, jax_fallback, sharding
+from jax_sprnn.primitives.recurrence import backward_p, forward_p
+
+
+def _attributes(cell, reverse, activation, **extra):
+    attrs = dict(reverse=reverse, **extra)
+    if cell == "rnn":
+        attrs["activation"] = activation
+    return attrs
+
+
+def _forward_cpu(ctx, *operands, cell, reverse, activation, variant):
+    return jax.ffi.ffi_lowering(f"sprnn_{cell}_fwd")(
+        ctx, *operands, **_attributes(cell, reverse, activation, variant=variant))
+
+
+def _backward_cpu(ctx, *operands, cell, reverse, activation, groups):
+    return jax.ffi.ffi_lowering(f"sprnn_{cell}_bwd")(
+        ctx, *operands, **_attributes(cell, reverse, activation, groups=groups))
+
+
+def _forward_cuda(ctx, *operands, cell, **params):
+    if cuda_lowering.available(cell):
+        return cuda_lowering.forward_lowering(ctx, *operands, cell=cell, **params)
+    return mlir.lower_fun(functools.partial(jax_fallback.forward, cell=cell, **params),
+                          multiple_results=True)(ctx, *operands)
+
+
+def _backward_cuda(ctx, *operands, **params):
+    return mlir.lower_fun(functools.partial(jax_fallback.backward, **params),
+                          multiple_results=True)(ctx, *operands)
+
+
+def _dispatch(primitive, platform_rule):
+    """Lowering rule: partitioned call when local=False, else the platform handler."""
+
+    def rule(ctx, *operands, local, **params):
+        if not local:
+            fun = functools.partial(sharding.partitioned, primitive, params)
+            return mlir.lower_fun(fun, multiple_results=True)(ctx, *operands)
+        return platform_rule(ctx, *operands, **params)
+
+    return rule
+
+
+def _require_cpu(rule):
+    def checked(ctx, *operands, **params):
+        _ffi.require_cpu_extension()
+        return rule(ctx, *operands, **params)
+
+    return checked
+
+
+mlir.register_lowering(forward_p, _dispatch(forward_p, _require_cpu(_forward_cpu)),
+                       platform="cpu")
+mlir.register_lowering(backward_p, _dispatch(backward_p, _require_cpu(_backward_cpu)),
+                       platform="cpu")
+mlir.register_lowering(forward_p, _dispatch(forward_p, _forward_cuda), platform="cuda")
+mlir.register_lowering(backward_p, _dispatch(backward_p, _backward_cuda), platform="cuda")
