@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax._src import dispatch  # no public equivalent; see below
 from jax.interpreters import mlir
 
 from jax_sprnn import _ffi
@@ -65,6 +66,10 @@ def _require_cpu(rule):
 
     return checked
 
+
+# custom_partitioning's lowering needs the device assignment, which JAX only passes to
+# lowerings of primitives in this set (JAX's cuDNN attention registers itself the same way).
+dispatch.prim_requires_devices_during_lowering.update({forward_p, backward_p})
 
 mlir.register_lowering(forward_p, _dispatch(forward_p, _require_cpu(_forward_cpu)),
                        platform="cpu")

@@ -11,10 +11,12 @@ Each operand and result has a *role* that says how vmap folds it into the batch 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from jax.extend import core
-from jax.interpreters import batching
+from jax.interpreters import batching, xla
 
 TIME, BATCH, SHARED, GROUPED = "time", "batch", "shared", "grouped"
 WEIGHTS = (SHARED, SHARED, SHARED)  # values, col_idx, row_ptr
@@ -61,12 +63,13 @@ def _forward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, *
     steps, batch, _ = xp.shape
     hidden = rest[0].shape[-1]
     n_carry = len(CELLS[cell].carry)
-    seq = core.ShapedArray((steps, batch, hidden), xp.dtype)
-    state = core.ShapedArray((batch, hidden), xp.dtype)
+    seq = jax.core.ShapedArray((steps, batch, hidden), xp.dtype)
+    state = jax.core.ShapedArray((batch, hidden), xp.dtype)
     return [seq] + [state] * n_carry + [seq] * CELLS[cell].cell_states
 
 
 forward_p.def_abstract_eval(_forward_abstract_eval)
+forward_p.def_impl(functools.partial(xla.apply_primitive, forward_p))
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -77,28 +80,29 @@ backward_p.multiple_results = True
 def _backward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, groups, **_):
     spec = CELLS[cell]
     carry = rest[:len(spec.carry)]
-    outs = [core.ShapedArray(xp.shape, xp.dtype),
-            core.ShapedArray((groups, values.shape[0]), values.dtype)]
-    outs += [core.ShapedArray(c.shape, c.dtype) for c in carry]
+    outs = [jax.core.ShapedArray(xp.shape, xp.dtype),
+            jax.core.ShapedArray((groups, values.shape[0]), values.dtype)]
+    outs += [jax.core.ShapedArray(c.shape, c.dtype) for c in carry]
     if spec.has_b_hn:
         b_hn = rest[len(spec.carry)]
-        outs.append(core.ShapedArray((groups, b_hn.shape[0]), b_hn.dtype))
+        outs.append(jax.core.ShapedArray((groups, b_hn.shape[0]), b_hn.dtype))
     return outs
 
 
 backward_p.def_abstract_eval(_backward_abstract_eval)
+backward_p.def_impl(functools.partial(xla.apply_primitive, backward_p))
 
 
 # ---- vmap: fold the mapped axis into the batch axis -----------------------------------------
 def _fold(x, dim, role, size):
     """Moves the vmapped axis next to the batch axis and merges the two."""
     if role == SHARED:
-        if dim is not batching.not_mapped:
+        if dim is not None:
             raise ValueError("jax_sprnn: the recurrent weights and b_hn cannot be batched under "
                              "vmap; they are shared by every instance (map over xp and the carry)")
         return x
     axis = 1 if role == TIME else 0
-    if dim is batching.not_mapped:
+    if dim is None:
         x = jnp.broadcast_to(jnp.expand_dims(x, axis),
                              x.shape[:axis] + (size,) + x.shape[axis:])
     else:
@@ -113,7 +117,7 @@ def _unfold(y, role, size):
 
 def _make_batching_rule(primitive, roles_of):
     def rule(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         in_roles, out_roles = roles_of(params["cell"])
         folded = [_fold(a, d, r, size) for a, d, r in zip(args, dims, in_roles)]
         if "groups" in params:

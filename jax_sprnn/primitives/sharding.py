@@ -85,10 +85,8 @@ def _partitioned_function(primitive, params_items, in_ndims, out_ndims):
 
 def partitioned(primitive, params, *operands):
     """Calls ``primitive`` (local=True) through custom partitioning over the batch axis."""
-    out_avals = primitive.abstract_eval(*[jax.core.get_aval(o) for o in operands], local=True,
-                                        **params)
-    out_ndims = tuple(a.ndim for a in (out_avals[0] if isinstance(out_avals, tuple)
-                                       else out_avals))
+    _, out_roles = _roles(primitive, params["cell"])
+    out_ndims = tuple(3 if r == TIME else 2 for r in out_roles)  # (T,B,H) or (B|groups, .)
     function = _partitioned_function(primitive, tuple(sorted(params.items())),
                                      tuple(o.ndim for o in operands), out_ndims)
     return function(*operands)
