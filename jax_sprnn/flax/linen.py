@@ -172,7 +172,7 @@ class _SparseRNNBase(nn.Module):
         kernel_i, bias_i, kernel_h, b_hn = _CellParams(
             self.cell_type, self.features, self.kernel_init, self.recurrent_kernel_init,
             self.bias_init, self.param_dtype, name="cell")(inputs.shape[-1])
-        if initial_carry is None and self.carry_init is not _ZEROS:
+        if initial_carry is None:
             step_shape = (inputs.shape[1:] if time_major
                           else inputs.shape[:-2] + inputs.shape[-1:])
             initial_carry = self.initialize_carry(
@@ -185,8 +185,6 @@ class _SparseRNNBase(nn.Module):
             keep_order=keep_order, implementation=self.implementation)
         return (carry, outputs) if return_carry else outputs
 
-
-_ZEROS = _SparseRNNBase.carry_init
 
 
 class SparseLSTM(_SparseRNNBase):
@@ -239,8 +237,8 @@ class SparseSimpleRNN(_SparseRNNBase):
         if not self.residual:
             return kernel_h, mask
         eye = np.eye(self.features, dtype=np.bool_)
-        return kernel_h + jnp.eye(self.features, dtype=kernel_h.dtype), \
-            StaticMask(mask.array | eye)
+        kept = jnp.where(mask.array, kernel_h, jnp.zeros((), kernel_h.dtype))
+        return kept + jnp.eye(self.features, dtype=kernel_h.dtype), StaticMask(mask.array | eye)
 
 
 LAYERS = {"lstm": SparseLSTM, "gru": SparseGRU, "rnn": SparseSimpleRNN}
