@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_sprnn import reference, validation
 from jax_sprnn.weights import SparseWeights
@@ -10,13 +12,17 @@ from jax_sprnn.weights import SparseWeights
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 
+def _as_array(x):
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+
+
 def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementation):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    xp = jnp.asarray(xp)
-    carry = tuple(jnp.asarray(c) for c in carry)
-    b_hn = None if b_hn is None else jnp.asarray(b_hn)
+    # Validate the caller's own dtypes: converting first would silently turn float64 to float32.
+    xp, carry, b_hn = jax.tree.map(_as_array, (xp, carry, b_hn))
     lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
+    xp, carry, b_hn = jax.tree.map(jnp.asarray, (xp, carry, b_hn))
     steps, batch, _ = xp.shape
     if steps == 0 or batch == 0:  # nothing to run: empty outputs, carry unchanged
         return jnp.zeros((steps, batch, w.hidden_size), xp.dtype), carry
