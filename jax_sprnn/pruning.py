@@ -2,7 +2,7 @@
 
 Why here: the JAX pruning library (google-research/jaxpruner) does not run on current JAX
 (0.10+); this module covers what a sparse RNN needs, on plain parameter trees (linen
-``variables['params']``, or ``nnx.state(model, nnx.Param).to_pure_dict()`` for nnx).
+``variables['params']``, or ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` for nnx).
 
 - A *mask tree* has the structure of the parameter tree, one boolean array per leaf (True =
   kept). Leaves that are not pruned get an all-True mask.

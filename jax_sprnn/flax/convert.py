@@ -193,7 +193,7 @@ def from_nnx_rnn(rnn, mask=None, *, implementation: str = "auto"):
     Supported cells: ``nnx.LSTMCell``, ``nnx.OptimizedLSTMCell``, ``nnx.GRUCell`` (no b_hn)
     and ``nnx.SimpleCell``. ``mask`` is None (the recurrent kernels' nonzeros), a boolean
     ``(H, G*H)`` array over the fused recurrent kernel, or a tree shaped like
-    ``nnx.state(rnn, nnx.Param).to_pure_dict()``; for ``Bidirectional`` a pair or such a tree.
+    ``nnx.to_pure_dict(nnx.state(rnn, nnx.Param))``; for ``Bidirectional`` a pair or such a tree.
     Returns a new sparse module holding copies of the parameters (pruned entries zeroed).
     """
     if isinstance(rnn, nnx.Bidirectional):
@@ -230,11 +230,11 @@ def from_nnx_rnn(rnn, mask=None, *, implementation: str = "auto"):
     if kind == "rnn":
         kwargs.update(activation=activation, residual=cell.residual)
     sparse = sp_nnx.LAYERS[kind](cell.in_features, hidden, **kwargs)
-    sparse.dense_i.kernel.value = kernel_i
+    sparse.dense_i.kernel[...] = kernel_i
     if sparse.dense_i.bias is not None:
-        sparse.dense_i.bias.value = bias_i
-    sparse.dense_h.kernel.value = jnp.where(array, kernel_h, jnp.zeros((), kernel_h.dtype))
+        sparse.dense_i.bias[...] = bias_i
+    sparse.dense_h.kernel[...] = jnp.where(array, kernel_h, jnp.zeros((), kernel_h.dtype))
     if sparse.dense_h.bias is not None:
-        sparse.dense_h.bias.value = bias_h
+        sparse.dense_h.bias[...] = bias_h
     return sparse
 

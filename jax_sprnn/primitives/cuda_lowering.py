@@ -3,22 +3,94 @@
 Owned by the kernel work: it decides the kernel variant, the workspace the kernel needs and
 the fallback when a layer does not fit on chip. ``forward_lowering`` is registered for the
 "cuda" platform by jax_sprnn/primitives/lowering.py when the CUDA extension is built.
+
+Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured effect):
+
+====  =====================================================================================
+ -1   default: the fastest, currently 3
+  0   (a) naive sparse persistent: h in shared memory batch-major, one scalar load per batch
+      value, grid-wide barrier between steps
+  1   (b) + wide loads: the batch tile of a hidden unit is contiguous, one vector load
+  2   (c) + bank-aware order: same kernel as 1; the effect comes from packing the weights
+      with ``bank_period > 0`` (the default of ``SparseWeights.from_dense``)
+  3   (d) + Lamport exchange: value + step tag in one word, readers spin, no grid barrier
+  4   fallback: one non-persistent sparse kernel launch per step (always works)
+====  =====================================================================================
+
+The kernel itself falls back to variant 4 when the layer's hidden state tile cannot be held in
+one block's shared memory or the GPU cannot launch a cooperative grid, and streams from L2 the
+nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWarning``).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import jax
+import numpy as np
+from jax import core as jcore
 
 from jax_sprnn import _ffi
+
+VARIANTS = {"default": -1, "naive": 0, "wide": 1, "bank_aware": 2, "lamport": 3, "step_loop": 4}
+_DTYPE_CODES = {np.dtype("float32"): 0, np.dtype(jax.numpy.bfloat16): 1, np.dtype("float16"): 2}
+_GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+_warned: set = set()
+
+
+class SparseRNNPerformanceWarning(UserWarning):
+    """The CUDA kernel runs a slower path than the on-chip persistent one for this layer."""
 
 
 def available(cell: str) -> bool:
     return f"sprnn_{cell}_fwd" in _ffi.CUDA_TARGETS
 
 
+def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
+         sms: int = 0, smem_optin: int = 0) -> dict:
+    """The kernel's placement plan for a layer on the current GPU (or a hypothetical one).
+
+    Keys include ``persistent`` (False: per-step fallback), ``on_chip``, ``batch_tile``,
+    ``blocks``, ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``.
+    """
+    return _ffi.cuda_module.plan(_GATES[cell], _DTYPE_CODES[np.dtype(dtype)], int(hidden),
+                                 int(batch), int(nnz), int(variant), int(sms), int(smem_optin))
+
+
+def _warn_once(key, message):
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, SparseRNNPerformanceWarning, stacklevel=3)
+
+
 def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, variant: int):
     """Lowers the forward primitive to the CUDA FFI target; results as the primitive's outputs."""
-    attrs = dict(reverse=reverse, variant=variant)
+    xp_aval = ctx.avals_in[0]
+    values_aval = ctx.avals_in[2]
+    steps, batch, gh = xp_aval.shape
+    gates = _GATES[cell]
+    hidden = gh // gates
+    nnz = values_aval.shape[0]
+    dtype_code = _DTYPE_CODES[np.dtype(xp_aval.dtype)]
+    variant = int(variant)
+    if variant == -1:  # benchmarks select a variant for the public API through the environment
+        variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "-1"))
+    try:
+        info = _ffi.cuda_module.plan(gates, dtype_code, hidden, batch, nnz, variant, 0, 0)
+    except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
+        info = None
+    if info is not None and info["reason"] and variant != VARIANTS["step_loop"]:
+        _warn_once((cell, str(xp_aval.dtype), hidden, batch, nnz, info["reason"]),
+                   f"jax_sprnn CUDA {cell} (H={hidden}, B={batch}, nnz={nnz}, "
+                   f"{xp_aval.dtype}): {info['reason']}"
+                   + ("" if info["persistent"] else "; running the per-step fallback kernel"))
+    ws_bytes = int(_ffi.cuda_module.workspace_bytes(gates, dtype_code, hidden, batch))
+    ws_aval = jcore.ShapedArray((ws_bytes,), np.uint8)
+    ctx2 = ctx.replace(avals_out=[*ctx.avals_out, ws_aval])
+    attrs = dict(reverse=bool(reverse), variant=np.int64(variant))
     if cell == "rnn":
-        attrs["activation"] = activation
-    return jax.ffi.ffi_lowering(f"sprnn_{cell}_fwd")(ctx, *operands, **attrs)
+        attrs["activation"] = np.int64(activation)
+    results = jax.ffi.ffi_lowering(f"sprnn_{cell}_fwd")(ctx2, *operands, **attrs)
+    return results[:-1]
