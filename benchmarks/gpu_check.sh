@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU run: build, GPU tests + the whole suite, benchmark, ncu bank-conflict counts.
+# Everything goes under $OUT (default benchmarks/results/run). Usage:
+#   benchmarks/gpu_check.sh [all|tests|bench|quick]     (default all)
+set -uo pipefail
+MODE="${1:-all}"
+OUT="${OUT:-benchmarks/results/run}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=python3
+{
+  echo "date: $(date -Iseconds)"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
+  git rev-parse HEAD 2>/dev/null || true
+} | tee "$OUT/env.txt"
+
+t0=$(date +%s)
+$PY -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1
+rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
+if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
+cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
+
+if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
+  timeout 400 $PY -m pytest -x -q tests/test_gpu_kernel.py 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+  if [ "$MODE" != quick ]; then
+    timeout 300 $PY -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/test_all.log" | tail -15
+  fi
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
+  if [ "$MODE" = quick ]; then
+    timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
+  else
+    timeout 420 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --batch --sweeps 2>&1 | tee "$OUT/bench.log" | tail -45
+  fi
+  if command -v ncu >/dev/null && [ "$MODE" != quick ]; then
+    for v in 1 2 3; do
+      timeout 60 ncu --clock-control none -k regex:persistent_fwd -c 1 \
+        --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__sass_inst_executed_op_shared_ld.sum \
+        $PY benchmarks/bench_gpu.py --ncu-one $v > "$OUT/ncu_variant$v.txt" 2>&1
+      grep -E "bank_conflicts|wavefronts|inst_executed" "$OUT/ncu_variant$v.txt" | sed "s/^/variant $v: /"
+    done | tee "$OUT/ncu_summary.txt"
+  fi
+fi

@@ -1,0 +1,555 @@
+// CUDA FFI handlers sprnn_{rnn,lstm,gru}_fwd (docs/INTERFACE.md): placement planning, the
+// cooperative launch of the persistent kernel (kernel_core.cuh), the per-step fallback, and
+// error reporting. Exposed to Python as the pybind11 module jax_sprnn._sprnn_cuda.
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "cuda/kernel_core.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace py = pybind11;
+
+namespace sprnn::cuda {
+namespace {
+
+// ---- configuration ---------------------------------------------------------------------------
+
+long long env_int(const char* name, long long dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return (end != nullptr && *end == '\0') ? x : dflt;
+}
+
+struct DeviceInfo {
+  int sms = 0;
+  int smem_optin = 0;  // bytes of shared memory one block may use
+  int coop = 0;
+  int cc_major = 0;
+};
+
+constexpr int kMaxDevices = 64;
+
+DeviceInfo device_info(int dev) {
+  static DeviceInfo cache[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  if (dev < 0 || dev >= kMaxDevices) return DeviceInfo{};
+  std::call_once(once[dev], [dev] {
+    DeviceInfo d;
+    if (cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&d.coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, dev) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      d = DeviceInfo{};
+    }
+    cache[dev] = d;
+  });
+  return cache[dev];
+}
+
+// ---- planning ---------------------------------------------------------------------------------
+
+enum Variant : int { kNaive = 0, kWideBarrier = 1, kBankAware = 2, kLamport = 3, kStepLoop = 4 };
+
+struct Plan {
+  bool persistent = false;
+  bool wide = true;
+  bool lamport = true;
+  int variant = kLamport;
+  int bt = 1, ntiles = 1, nb = 0, threads = 1024;
+  int alpha = 1, u_cap = 0;
+  long long w_cap = 0, w_need = 0, smem = 0;
+  bool on_chip = false;
+  std::string reason;  // why the plan is not the fast persistent one (empty if it is)
+};
+
+int s_bytes_of(int dtype) { return dtype == 0 ? 4 : 2; }
+int w_bytes_of(int dtype) { return dtype == 0 ? 8 : 4; }
+int x_bytes_of(int dtype) { return dtype == 0 ? 8 : 4; }
+long long round_up(long long x, long long m) { return (x + m - 1) / m * m; }
+
+// Workspace (one u8 output): [abort flag | counters | exchange buffer or fallback buffers].
+// Depends only on the shapes so that the lowering can size it without a device.
+constexpr long long kHeaderBytes = 256;
+long long counters_bytes(long long B) { return round_up(4 * std::max<long long>(B, 1), 256); }
+long long workspace_bytes(int gates, int dtype, long long H, long long B) {
+  (void)gates;
+  const long long bpad = round_up(std::max<long long>(B, 1), 8);
+  const long long xbuf = 2 * bpad * H * x_bytes_of(dtype);
+  const long long step = 3 * std::max<long long>(B, 1) * H * 4;
+  return kHeaderBytes + counters_bytes(B) + std::max(xbuf, step);
+}
+
+Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
+               const DeviceInfo& dev) {
+  Plan pl;
+  pl.variant = variant < 0 ? kLamport : variant;
+  if (pl.variant > kStepLoop) pl.variant = kLamport;
+  pl.wide = pl.variant != kNaive;
+  pl.lamport = pl.variant == kLamport;
+  if (pl.variant == kStepLoop) {
+    pl.reason = "variant 4 selects the per-step fallback";
+    return pl;
+  }
+  if (dev.sms <= 0 || !dev.coop) {
+    pl.reason = "the GPU does not support cooperative launches";
+    return pl;
+  }
+  if (dtype != 0 && H > 65535) {
+    pl.reason = "16-bit layers with H > 65535 do not fit the packed 16-bit column index";
+    return pl;
+  }
+  if (B < 1 || H < 1) {
+    pl.reason = "empty batch";
+    return pl;
+  }
+  pl.nb = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_BLOCKS", dev.sms), 1, dev.sms));
+  pl.threads = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_THREADS", 1024), 64, 1024)) / 32 * 32;
+  pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
+  const long long total = nnz + static_cast<long long>(pl.alpha) * H;
+  pl.u_cap = static_cast<int>(std::min<long long>(H, (total / pl.nb + 1) / pl.alpha + 2));
+  // Nonzeros one block must hold: the average plus one unit's average (partition granularity).
+  pl.w_need = (nnz + pl.nb - 1) / pl.nb + (nnz + H - 1) / H;
+  const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
+  const bool lstm = gates == 4;
+
+  int cands[3];
+  int nc = 0;
+  if (!pl.wide) {
+    cands[nc++] = 4;
+  } else if (dtype != 0) {
+    if (B >= 5) cands[nc++] = 8;
+    if (B >= 2) cands[nc++] = 4;
+    cands[nc++] = 1;
+  } else {
+    if (B >= 2) cands[nc++] = 4;
+    cands[nc++] = 1;
+  }
+  bool found = false;
+  Plan best;
+  for (int i = 0; i < nc; ++i) {
+    const int bt = cands[i];
+    const int ntiles = static_cast<int>((B + bt - 1) / bt);
+    const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm,
+                                      pl.u_cap, 0, s_bytes_of(dtype), w_bytes_of(dtype));
+    if (l0.total > avail) continue;
+    Plan c = pl;
+    c.bt = bt;
+    c.ntiles = ntiles;
+    c.w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
+    c.on_chip = c.w_cap >= pl.w_need;
+    const SmemLayout l = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, pl.u_cap,
+                                     static_cast<int>(c.w_cap), s_bytes_of(dtype),
+                                     w_bytes_of(dtype));
+    c.smem = l.total;
+    c.persistent = true;
+    if (!found || (c.on_chip && !best.on_chip) || (!best.on_chip && c.w_cap > best.w_cap)) {
+      best = c;
+      found = true;
+    }
+    if (c.on_chip) break;  // largest batch tile whose weights fit
+  }
+  if (!found) {
+    pl.reason = "the hidden state tile and per-unit state of this layer (H = " +
+                std::to_string(H) + ", B = " + std::to_string(B) +
+                ") do not fit in one block's shared memory";
+    return pl;
+  }
+  if (!best.on_chip) {
+    best.reason = "the layer's nonzeros do not fit on chip (" + std::to_string(nnz) +
+                  " nonzeros, about " + std::to_string(best.w_cap * best.nb) +
+                  " fit); the rest are read from L2 every step";
+  }
+  return best;
+}
+
+// ---- kernel table -----------------------------------------------------------------------------
+
+using KernelFn = void (*)(Params);
+
+template <Cell C, DType D>
+KernelFn persistent_kernel(int bt, bool wide) {
+  if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
+  switch (bt) {
+    case 1: return &persistent_fwd<C, D, 1, true>;
+    case 4: return &persistent_fwd<C, D, 4, true>;
+    case 8:
+      if constexpr (D != DType::kF32) return &persistent_fwd<C, D, 8, true>;
+      return nullptr;
+    default: return nullptr;
+  }
+}
+
+template <Cell C>
+KernelFn persistent_kernel(int dtype, int bt, bool wide) {
+  switch (dtype) {
+    case 0: return persistent_kernel<C, DType::kF32>(bt, wide);
+    case 1: return persistent_kernel<C, DType::kBF16>(bt, wide);
+    default: return persistent_kernel<C, DType::kF16>(bt, wide);
+  }
+}
+
+KernelFn pick_persistent(Cell cell, int dtype, int bt, bool wide) {
+  switch (cell) {
+    case Cell::kLstm: return persistent_kernel<Cell::kLstm>(dtype, bt, wide);
+    case Cell::kGru: return persistent_kernel<Cell::kGru>(dtype, bt, wide);
+    default: return persistent_kernel<Cell::kRnnTanh>(dtype, bt, wide);
+  }
+}
+
+// Raises a kernel's dynamic shared-memory limit once (per device is not needed: the attribute is
+// per function and the largest request wins).
+std::mutex g_attr_mu;
+cudaError_t ensure_smem(KernelFn fn, long long smem) {
+  static std::pair<KernelFn, long long> set[256];
+  static int nset = 0;
+  std::lock_guard<std::mutex> lock(g_attr_mu);
+  for (int i = 0; i < nset; ++i)
+    if (set[i].first == fn && set[i].second >= smem) return cudaSuccess;
+  cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  for (int i = 0; i < nset; ++i)
+    if (set[i].first == fn) { set[i].second = smem; return cudaSuccess; }
+  if (nset < 256) set[nset++] = {fn, smem};
+  return cudaSuccess;
+}
+
+template <Cell C, DType D>
+cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream) {
+  const long long n = static_cast<long long>(p.B) * p.H;
+  const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
+  step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const long long warps = n;
+  const long long blocks = (warps * 32 + 255) / 256;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  for (int s = 0; s < p.T; ++s) {
+    step_fwd<C, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s, hbuf, cbuf);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);
+  return cudaGetLastError();
+}
+
+template <Cell C>
+cudaError_t run_steps(int dtype, const Params& p, float* hbuf, float* cbuf, cudaStream_t s) {
+  switch (dtype) {
+    case 0: return run_steps<C, DType::kF32>(p, hbuf, cbuf, s);
+    case 1: return run_steps<C, DType::kBF16>(p, hbuf, cbuf, s);
+    default: return run_steps<C, DType::kF16>(p, hbuf, cbuf, s);
+  }
+}
+
+cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
+                      cudaStream_t s) {
+  switch (cell) {
+    case Cell::kLstm: return run_steps<Cell::kLstm>(dtype, p, hbuf, cbuf, s);
+    case Cell::kGru: return run_steps<Cell::kGru>(dtype, p, hbuf, cbuf, s);
+    default: return run_steps<Cell::kRnnTanh>(dtype, p, hbuf, cbuf, s);
+  }
+}
+
+// ---- the handler --------------------------------------------------------------------------------
+
+int dtype_code(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return 0;
+    case ffi::DataType::BF16: return 1;
+    case ffi::DataType::F16: return 2;
+    default: return -1;
+  }
+}
+
+ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
+}
+
+struct Bufs {
+  ffi::AnyBuffer xp, lengths, values, col_idx, row_ptr, h0;
+  const ffi::AnyBuffer* c0 = nullptr;
+  const ffi::AnyBuffer* b_hn = nullptr;
+};
+
+ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Bufs& in,
+                   ffi::AnyBuffer* ys, ffi::AnyBuffer* hT, ffi::AnyBuffer* cT,
+                   ffi::AnyBuffer* cs, ffi::AnyBuffer* ws, bool reverse, int64_t activation,
+                   int64_t variant) {
+  const int G = gates_of(cell);
+  const int dtype = dtype_code(in.xp.element_type());
+  auto xd = in.xp.dimensions();
+  auto hd = in.h0.dimensions();
+  if (dtype < 0 || xd.size() != 3 || hd.size() != 2 || in.values.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(std::string(target) +
+                                       ": xp must be (T, B, G*H) float32/bfloat16/float16, "
+                                       "h0 (B, H), values (nnz,)");
+  const long long T = xd[0], B = xd[1], H = hd[1];
+  const long long nnz = in.values.dimensions()[0];
+  if (hd[0] != B || xd[2] != G * H || in.lengths.element_count() != static_cast<size_t>(B) ||
+      in.col_idx.element_count() != static_cast<size_t>(nnz) ||
+      in.row_ptr.element_count() != static_cast<size_t>(G * H + 1) ||
+      in.values.element_type() != in.xp.element_type() ||
+      in.h0.element_type() != in.xp.element_type())
+    return ffi::Error::InvalidArgument(std::string(target) + ": inconsistent shapes or dtypes");
+  if (T > 0x3fffffffLL || B > 0x3fffffffLL || H > 0x3fffffffLL)
+    return ffi::Error::InvalidArgument(std::string(target) + ": dimensions too large");
+  const long long ws_need = workspace_bytes(G, dtype, H, B);
+  if (static_cast<long long>(ws->size_bytes()) < ws_need)
+    return ffi::Error::Internal(std::string(target) + ": workspace too small");
+  if (B == 0 || H == 0) return ffi::Error::Success();
+
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
+    return cuda_error(target, "cudaGetDevice", e);
+  const DeviceInfo info = device_info(dev);
+  Plan pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info);
+
+  unsigned char* wsp = static_cast<unsigned char*>(ws->untyped_data());
+  Params p{};
+  p.xp = in.xp.untyped_data();
+  p.lengths = static_cast<const int32_t*>(in.lengths.untyped_data());
+  p.values = in.values.untyped_data();
+  p.col_idx = static_cast<const int32_t*>(in.col_idx.untyped_data());
+  p.row_ptr = static_cast<const int32_t*>(in.row_ptr.untyped_data());
+  p.h0 = in.h0.untyped_data();
+  p.c0 = in.c0 ? in.c0->untyped_data() : nullptr;
+  p.b_hn = in.b_hn ? in.b_hn->untyped_data() : nullptr;
+  p.ys = ys->untyped_data();
+  p.hT = hT->untyped_data();
+  p.cT = cT ? cT->untyped_data() : nullptr;
+  p.cs = cs ? cs->untyped_data() : nullptr;
+  p.abort_flag = reinterpret_cast<int*>(wsp);
+  p.counters = reinterpret_cast<unsigned int*>(wsp + kHeaderBytes);
+  p.xbuf = wsp + kHeaderBytes + counters_bytes(B);
+  p.T = static_cast<int>(T);
+  p.B = static_cast<int>(B);
+  p.H = static_cast<int>(H);
+  p.activation = static_cast<int>(activation);
+  p.reverse = reverse ? 1 : 0;
+  p.timeout_ns = env_int("SPRNN_CUDA_TIMEOUT_MS", 5000) * 1000000LL;
+
+  // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
+  if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
+    return cuda_error(target, "cudaMemsetAsync(workspace)", e);
+
+  bool launched = false;
+  if (pl.persistent) {
+    KernelFn fn = pick_persistent(cell, dtype, pl.bt, pl.wide);
+    int occ = 0;
+    cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
+    if (e == cudaSuccess)
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(fn),
+                                                        pl.threads, static_cast<size_t>(pl.smem));
+    if (e == cudaSuccess && occ >= 1) {
+      p.ntiles = pl.ntiles;
+      p.lamport = pl.lamport ? 1 : 0;
+      p.alpha = pl.alpha;
+      p.u_cap = pl.u_cap;
+      p.w_cap = static_cast<int>(pl.w_cap);
+      void* args[] = {&p};
+      e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(pl.nb),
+                                      dim3(pl.threads), args, static_cast<size_t>(pl.smem),
+                                      stream);
+      if (e == cudaSuccess) {
+        launched = true;
+      } else if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorLaunchOutOfResources) {
+        return cuda_error(target, "cooperative launch of the persistent kernel", e);
+      }
+    }
+    if (!launched) cudaGetLastError();  // clear a recoverable launch error; fall back below
+  }
+  if (!launched) {
+    float* hbuf = reinterpret_cast<float*>(p.xbuf);
+    float* cbuf = hbuf + 2 * B * H;
+    if (cudaError_t e = run_steps(cell, dtype, p, hbuf, cbuf, stream); e != cudaSuccess)
+      return cuda_error(target, "per-step fallback launch", e);
+  }
+
+  // Turn a timed-out wait into an error for the caller (one 4-byte copy and a stream sync).
+  if (env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0) {
+    thread_local int* host_flag = nullptr;
+    if (host_flag == nullptr) {
+      if (cudaError_t e = cudaMallocHost(&host_flag, sizeof(int)); e != cudaSuccess)
+        return cuda_error(target, "cudaMallocHost", e);
+    }
+    *host_flag = 0;
+    if (cudaError_t e = cudaMemcpyAsync(host_flag, p.abort_flag, sizeof(int),
+                                        cudaMemcpyDeviceToHost, stream);
+        e != cudaSuccess)
+      return cuda_error(target, "cudaMemcpyAsync(abort flag)", e);
+    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess)
+      return cuda_error(target, "kernel execution", e);
+    if (*host_flag != 0)
+      return ffi::Error::Internal(
+          std::string(target) +
+          ": the sparse persistent kernel timed out waiting for other blocks (flag " +
+          std::to_string(*host_flag) +
+          "); its blocks were probably not co-resident. Outputs are invalid. Set "
+          "SPRNN_CUDA_TIMEOUT_MS to change the limit or pass variant=4 for the per-step path.");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error rnn_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
+                   ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
+                   ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> ys,
+                   ffi::Result<ffi::AnyBuffer> hT, ffi::Result<ffi::AnyBuffer> ws, bool reverse,
+                   int64_t activation, int64_t variant) {
+  if (activation != 0 && activation != 1)
+    return ffi::Error::InvalidArgument("sprnn_rnn_fwd: activation must be 0 (tanh) or 1 (relu)");
+  Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
+  return forward("sprnn_rnn_fwd", stream, Cell::kRnnTanh, in, &*ys, &*hT, nullptr, nullptr, &*ws,
+                 reverse, activation, variant);
+}
+
+ffi::Error lstm_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
+                    ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
+                    ffi::AnyBuffer c0, ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> ys,
+                    ffi::Result<ffi::AnyBuffer> cT, ffi::Result<ffi::AnyBuffer> hT,
+                    ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> ws, bool reverse,
+                    int64_t variant) {
+  Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
+  in.c0 = &c0;
+  return forward("sprnn_lstm_fwd", stream, Cell::kLstm, in, &*ys, &*hT, &*cT, &*cs, &*ws, reverse,
+                 0, variant);
+}
+
+ffi::Error gru_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
+                   ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
+                   ffi::AnyBuffer h0, ffi::AnyBuffer b_hn, ffi::Result<ffi::AnyBuffer> ys,
+                   ffi::Result<ffi::AnyBuffer> hT, ffi::Result<ffi::AnyBuffer> ws, bool reverse,
+                   int64_t variant) {
+  Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
+  in.b_hn = &b_hn;
+  return forward("sprnn_gru_fwd", stream, Cell::kGru, in, &*ys, &*hT, nullptr, nullptr, &*ws,
+                 reverse, 0, variant);
+}
+
+}  // namespace
+}  // namespace sprnn::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnRnnFwdCuda, sprnn::cuda::rnn_fwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("reverse")
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("variant"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnLstmFwdCuda, sprnn::cuda::lstm_fwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("reverse")
+                                  .Attr<int64_t>("variant"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnGruFwdCuda, sprnn::cuda::gru_fwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("reverse")
+                                  .Attr<int64_t>("variant"));
+
+namespace {
+
+template <typename T>
+py::capsule encapsulate(T* fn) {
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz, int variant,
+                   int sms, int smem_optin) {
+  using namespace sprnn::cuda;
+  DeviceInfo d;
+  if (sms > 0) {
+    d.sms = sms;
+    d.smem_optin = smem_optin;
+    d.coop = 1;
+  } else {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) cudaGetLastError();
+    d = device_info(dev);
+  }
+  const Plan pl = make_plan(gates, dtype, H, B, nnz, variant, d);
+  py::dict r;
+  r["persistent"] = pl.persistent;
+  r["variant"] = pl.variant;
+  r["wide"] = pl.wide;
+  r["lamport"] = pl.lamport;
+  r["batch_tile"] = pl.bt;
+  r["tiles"] = pl.ntiles;
+  r["blocks"] = pl.nb;
+  r["threads"] = pl.threads;
+  r["units_cap"] = pl.u_cap;
+  r["nnz_per_block_capacity"] = pl.w_cap;
+  r["nnz_per_block_needed"] = pl.w_need;
+  r["smem_bytes"] = pl.smem;
+  r["on_chip"] = pl.on_chip;
+  r["reason"] = pl.reason;
+  r["sms"] = d.sms;
+  r["smem_optin"] = d.smem_optin;
+  r["workspace_bytes"] = workspace_bytes(gates, dtype, H, B);
+  return r;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_sprnn_cuda, m) {
+  m.doc() = "jax_sprnn CUDA FFI targets (sparse persistent forward kernels)";
+  m.def("registrations", []() {
+    py::dict d;
+    d["sprnn_rnn_fwd"] = encapsulate(SprnnRnnFwdCuda);
+    d["sprnn_lstm_fwd"] = encapsulate(SprnnLstmFwdCuda);
+    d["sprnn_gru_fwd"] = encapsulate(SprnnGruFwdCuda);
+    return d;
+  });
+  m.def("workspace_bytes", [](int gates, int dtype, long long H, long long B) {
+    return sprnn::cuda::workspace_bytes(gates, dtype, H, B);
+  }, py::arg("gates"), py::arg("dtype"), py::arg("hidden"), py::arg("batch"));
+  m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
+        py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
+        py::arg("smem_optin") = 0,
+        "The kernel's placement plan for a layer (sms/smem_optin: a hypothetical GPU; "
+        "0 = the current device).");
+}

@@ -1,0 +1,790 @@
+// Sparse persistent RNN forward kernel: the device code (header-only, NVRTC-compilable).
+//
+// One launch runs every timestep. The grid is `nb` co-resident blocks (cooperative launch, one
+// block per SM). Block j owns a contiguous range of hidden units [u0, u1), chosen on device by a
+// binary search over the unit-major row pointer so that the cost nnz + alpha * units is
+// balanced across blocks. Its nonzeros (value, column) are copied once into shared memory (as
+// many as fit; rows that do not fit are read from global memory/L2 every step). Per step and per
+// batch tile of BT sequences, every block:
+//   1. gathers h_{s-1} (H x BT) from the exchange buffer in global memory into shared memory,
+//   2. computes its rows' dot products (one warp per packed row, lanes split the nonzeros,
+//      float32 accumulation, warp-shuffle reduction),
+//   3. applies the cell to its units and publishes h_s to the exchange buffer.
+// Exchange (two slots, s % 2):
+//   barrier mode: raw values, then a grid-wide barrier (one counter per batch tile, bounded spin);
+//   Lamport mode: each (unit, b) word carries value + step tag (16-bit value | 16-bit tag for the
+//   16-bit dtypes, 32-bit value | 32-bit tag for float32, so float32 h is exchanged exactly);
+//   readers spin on their words. A block publishes step s only after a block-wide barrier that
+//   follows all of its reads of step s-1 (the two-slot pitfall in DESIGN.md).
+// Every wait is bounded by a %globaltimer deadline; on timeout (or when another block has
+// aborted) the block sets the abort flag in the workspace and exits; the host turns the flag
+// into an error.
+// Layouts (template kWide): naive h_s[b][H] with BT scalar loads per nonzero (variant a), or
+// wide h_s[H][BT] with one vector load per nonzero (variants b-d).
+#pragma once
+
+#if defined(__CUDACC_RTC__)
+typedef unsigned int uint32_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+#else
+#include <cstdint>
+#endif
+
+#include "common/cells.h"
+
+namespace sprnn {
+namespace cuda {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Kernel arguments (plain data, identical for all instantiations).
+struct Params {
+  const void* xp;         // (T, B, G*H)
+  const int32_t* lengths; // (B,)
+  const void* values;     // (nnz,)
+  const int32_t* col_idx; // (nnz,)
+  const int32_t* row_ptr; // (G*H + 1,)
+  const void* h0;         // (B, H)
+  const void* c0;         // (B, H) lstm
+  const void* b_hn;       // (H,) gru
+  void* ys;               // (T, B, H)
+  void* hT;               // (B, H)
+  void* cT;               // (B, H) lstm
+  void* cs;               // (T, B, H) lstm
+  void* xbuf;             // exchange: 2 slots x ntiles x H x BT words
+  unsigned int* counters; // barrier mode: one per batch tile
+  int* abort_flag;        // 0 = ok; 1 = a wait timed out
+  int T, B, H, ntiles;
+  int activation;         // rnn: 0 tanh, 1 relu
+  int reverse;
+  int lamport;            // 1 = tagged exchange, 0 = grid barrier
+  int alpha;              // per-unit cost in the block partition
+  int u_cap;              // max units per block (smem sized for it)
+  int w_cap;              // nonzeros per block kept in shared memory
+  long long timeout_ns;   // per wait
+};
+
+// ---- storage types and conversions ----------------------------------------------------------
+
+__device__ __forceinline__ float f16_to_f32(uint32_t u) {
+  unsigned short h = static_cast<unsigned short>(u);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ uint32_t f32_to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ uint32_t f32_to_bf16(float f) {
+  // Round to nearest even without sm_80 instructions (sm_70 has no cvt to bf16).
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+
+template <DType D>
+struct Tr;
+
+template <>
+struct Tr<DType::kF32> {
+  using S = float;                    // storage of xp, h, outputs
+  using X = unsigned long long;       // tagged exchange word: tag << 32 | value bits
+  using W = uint2;                    // shared-memory nonzero: (value bits, column)
+  static constexpr int kXWordsPer32 = 2;
+  __device__ static float to_f(S v) { return v; }
+  __device__ static S from_f(float f) { return f; }
+  __device__ static float bits_to_f(uint32_t b) { return __uint_as_float(b); }
+  __device__ static uint32_t f_to_bits(float f) { return __float_as_uint(f); }
+  __device__ static uint32_t tag_of(int s) { return static_cast<uint32_t>(s) + 1u; }
+  __device__ static X make_x(uint32_t bits, uint32_t tag) {
+    return (static_cast<unsigned long long>(tag) << 32) | bits;
+  }
+  __device__ static bool x_ok(X w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
+  __device__ static uint32_t x_bits(X w) { return static_cast<uint32_t>(w); }
+  __device__ static W make_w(float v, int col) {
+    return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col));
+  }
+  __device__ static void unpack_w(W w, float& v, int& col) {
+    v = __uint_as_float(w.x);
+    col = static_cast<int>(w.y);
+  }
+};
+
+template <DType D>
+struct Tr16 {
+  using S = uint16_t;
+  using X = uint32_t;  // tag << 16 | value bits
+  using W = uint32_t;  // column << 16 | value bits
+  __device__ static float bits_to_f(uint32_t b) {
+    if constexpr (D == DType::kBF16) {
+      return __uint_as_float(b << 16);
+    } else {
+      return f16_to_f32(b);
+    }
+  }
+  __device__ static uint32_t f_to_bits(float f) {
+    if constexpr (D == DType::kBF16) {
+      return f32_to_bf16(f);
+    } else {
+      return f32_to_f16(f);
+    }
+  }
+  __device__ static float to_f(S v) { return bits_to_f(v); }
+  __device__ static S from_f(float f) { return static_cast<S>(f_to_bits(f)); }
+  __device__ static uint32_t tag_of(int s) { return static_cast<uint32_t>(s % 65535) + 1u; }
+  __device__ static X make_x(uint32_t bits, uint32_t tag) { return (tag << 16) | (bits & 0xffffu); }
+  __device__ static bool x_ok(X w, uint32_t tag) { return (w >> 16) == tag; }
+  __device__ static uint32_t x_bits(X w) { return w & 0xffffu; }
+  __device__ static W make_w(float v, int col) {
+    return (static_cast<uint32_t>(col) << 16) | f_to_bits(v);
+  }
+  __device__ static void unpack_w(W w, float& v, int& col) {
+    v = bits_to_f(w & 0xffffu);
+    col = static_cast<int>(w >> 16);
+  }
+};
+template <>
+struct Tr<DType::kBF16> : Tr16<DType::kBF16> {};
+template <>
+struct Tr<DType::kF16> : Tr16<DType::kF16> {};
+
+// ---- memory helpers -------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void ld_relaxed_v4(const uint32_t* p, uint32_t* r) {
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "l"(p)
+               : "memory");
+}
+__device__ __forceinline__ void ld_relaxed_v2(const unsigned long long* p, unsigned long long* r) {
+  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];"
+               : "=l"(r[0]), "=l"(r[1])
+               : "l"(p)
+               : "memory");
+}
+__device__ __forceinline__ void st_relaxed(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const unsigned int* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Loads the BT tagged words of one unit (contiguous, aligned to their size). Each element is
+// loaded single-copy atomically (u32 or u64 elements of vector loads).
+template <class X, int BT>
+__device__ __forceinline__ void load_x(const X* p, X* w) {
+  if constexpr (sizeof(X) == 4) {
+    if constexpr (BT >= 4) {
+#pragma unroll
+      for (int i = 0; i < BT; i += 4) ld_relaxed_v4(p + i, w + i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < BT; ++i) w[i] = ld_relaxed(p + i);
+    }
+  } else {
+    if constexpr (BT >= 2) {
+#pragma unroll
+      for (int i = 0; i < BT; i += 2) ld_relaxed_v2(p + i, w + i);
+    } else {
+      w[0] = ld_relaxed(p);
+    }
+  }
+}
+
+// h_s element access. Wide: h_s[u * BT + b] (the BT values of a unit are contiguous, so one
+// vector load of sizeof(S) * BT bytes fetches them). Naive: h_s[b * H + u].
+template <class S, int BT, bool kWide>
+__device__ __forceinline__ void store_h(S* h_s, int H, int u, const uint32_t* bits) {
+  if constexpr (kWide) {
+    if constexpr (sizeof(S) == 4) {
+      if constexpr (BT % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < BT; i += 4)
+          *reinterpret_cast<uint4*>(h_s + u * BT + i) = make_uint4(bits[i], bits[i + 1], bits[i + 2], bits[i + 3]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < BT; ++i) reinterpret_cast<uint32_t*>(h_s)[u * BT + i] = bits[i];
+      }
+    } else {
+      if constexpr (BT % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < BT; i += 2)
+          reinterpret_cast<uint32_t*>(h_s)[(u * BT + i) / 2] = (bits[i] & 0xffffu) | (bits[i + 1] << 16);
+      } else {
+#pragma unroll
+        for (int i = 0; i < BT; ++i) h_s[u * BT + i] = static_cast<S>(bits[i]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BT; ++i) {
+      if constexpr (sizeof(S) == 4) {
+        reinterpret_cast<uint32_t*>(h_s)[i * H + u] = bits[i];
+      } else {
+        h_s[i * H + u] = static_cast<S>(bits[i]);
+      }
+    }
+  }
+}
+
+// Loads the BT h values of column `col` as float32.
+template <DType D, int BT, bool kWide>
+__device__ __forceinline__ void gather_h(const typename Tr<D>::S* h_s, int H, int col, float* out) {
+  using S = typename Tr<D>::S;
+  if constexpr (kWide) {
+    constexpr int kBytes = static_cast<int>(sizeof(S)) * BT;
+    const S* p = h_s + col * BT;
+    if constexpr (kBytes >= 16) {
+#pragma unroll
+      for (int i = 0; i < kBytes / 16; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if constexpr (sizeof(S) == 4) {
+            out[i * 4 + j] = __uint_as_float(w[j]);
+          } else {
+            out[i * 8 + 2 * j] = Tr<D>::bits_to_f(w[j] & 0xffffu);
+            out[i * 8 + 2 * j + 1] = Tr<D>::bits_to_f(w[j] >> 16);
+          }
+        }
+      }
+    } else if constexpr (kBytes == 8) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      if constexpr (sizeof(S) == 4) {
+        out[0] = __uint_as_float(v.x);
+        out[1] = __uint_as_float(v.y);
+      } else {
+        out[0] = Tr<D>::bits_to_f(v.x & 0xffffu);
+        out[1] = Tr<D>::bits_to_f(v.x >> 16);
+        out[2] = Tr<D>::bits_to_f(v.y & 0xffffu);
+        out[3] = Tr<D>::bits_to_f(v.y >> 16);
+      }
+    } else if constexpr (kBytes == 4) {
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
+      if constexpr (sizeof(S) == 4) {
+        out[0] = __uint_as_float(v);
+      } else {
+        out[0] = Tr<D>::bits_to_f(v & 0xffffu);
+        out[1] = Tr<D>::bits_to_f(v >> 16);
+      }
+    } else {
+      out[0] = Tr<D>::to_f(p[0]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BT; ++i) out[i] = Tr<D>::to_f(h_s[i * H + col]);
+  }
+}
+
+// ---- block partition --------------------------------------------------------------------------
+
+// First unit u in [0, H] with cost(u) = row_ptr[u*G] + alpha*u >= target (cost is increasing).
+__device__ __forceinline__ int partition_unit(const int32_t* row_ptr, int G, int H, int alpha,
+                                              long long target) {
+  int lo = 0, hi = H;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const long long c = static_cast<long long>(__ldg(row_ptr + static_cast<long long>(mid) * G)) +
+                        static_cast<long long>(alpha) * mid;
+    if (c >= target) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ void unit_range(const Params& p, int G, int j, int nb, int& u0, int& u1) {
+  const long long total = static_cast<long long>(__ldg(p.row_ptr + static_cast<long long>(p.H) * G)) +
+                          static_cast<long long>(p.alpha) * p.H;
+  const long long t0 = (total * j + nb - 1) / nb;
+  const long long t1 = (total * (j + 1) + nb - 1) / nb;
+  u0 = j == 0 ? 0 : partition_unit(p.row_ptr, G, p.H, p.alpha, t0);
+  u1 = j == nb - 1 ? p.H : partition_unit(p.row_ptr, G, p.H, p.alpha, t1);
+}
+
+// ---- shared memory carve-up (host computes the same sizes, see handlers.cu) -------------------
+
+__host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
+
+struct SmemLayout {
+  long long h_off, acc_off, hst_off, cst_off, w_off, total;
+};
+
+__host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
+                                                  int u_cap, int w_cap, int s_bytes, int w_bytes) {
+  SmemLayout l;
+  l.h_off = 0;
+  l.acc_off = align16(static_cast<long long>(H) * BT * s_bytes);
+  l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
+  l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
+  l.w_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
+  l.total = l.w_off + align16(static_cast<long long>(w_cap) * w_bytes);
+  return l;
+}
+
+// ---- waits ------------------------------------------------------------------------------------
+
+// Returns true when the wait must be abandoned (deadline passed or another block aborted).
+__device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long start) {
+  if (ld_relaxed(reinterpret_cast<const uint32_t*>(p.abort_flag)) != 0u) return true;
+  if (global_ns() - start > static_cast<unsigned long long>(p.timeout_ns)) {
+    atomicExch(p.abort_flag, 1);
+    return true;
+  }
+  return false;
+}
+
+// ---- the persistent kernel ----------------------------------------------------------------------
+
+// kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
+template <Cell kCell, DType D, int BT, bool kWide>
+__global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  using X = typename T::X;
+  using W = typename T::W;
+  constexpr int G = gates_of(kCell);
+  constexpr bool kLstmCell = kCell == Cell::kLstm;
+  constexpr int kXWords = static_cast<int>(sizeof(X)) * BT / 4;  // 32-bit words per unit
+  constexpr int K = (32 / kXWords) < 1 ? 1 : ((32 / kXWords) > 8 ? 8 : (32 / kXWords));
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x;
+  const int nthr = blockDim.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nwarps = nthr >> 5;
+  const int nb = gridDim.x;
+  const int H = p.H, B = p.B, nT = p.T;
+  const int bpad = p.ntiles * BT;
+
+  __shared__ int sh_u[2];
+  __shared__ int sh_lmax;
+  if (tid == 0) {
+    int u0, u1;
+    unit_range(p, G, blockIdx.x, nb, u0, u1);
+    sh_u[0] = u0;
+    sh_u[1] = u1;
+    int lmax = 0;
+    for (int b = 0; b < B; ++b) {
+      int l = __ldg(p.lengths + b);
+      l = l < 0 ? 0 : (l > nT ? nT : l);
+      lmax = l > lmax ? l : lmax;
+    }
+    sh_lmax = lmax;
+  }
+  __syncthreads();
+  const int u0 = sh_u[0];
+  const int nu = sh_u[1] - u0;
+  const int lmax = sh_lmax;
+  if (nu > p.u_cap) {  // cannot happen with the host's bound; never corrupt shared memory
+    if (tid == 0) atomicExch(p.abort_flag, 2);
+    return;
+  }
+  const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
+                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
+  S* h_s = reinterpret_cast<S*>(smem + L.h_off);
+  float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
+  float* hst = reinterpret_cast<float*>(smem + L.hst_off);
+  float* cst = reinterpret_cast<float*>(smem + L.cst_off);
+  W* w_s = reinterpret_cast<W*>(smem + L.w_off);
+
+  const S* xp = static_cast<const S*>(p.xp);
+  const S* vals = static_cast<const S*>(p.values);
+  const int32_t* row_ptr = p.row_ptr;
+  const int32_t* col_idx = p.col_idx;
+  const long long kb0 = __ldg(row_ptr + static_cast<long long>(u0) * G);
+  const long long kb1 = __ldg(row_ptr + static_cast<long long>(u0 + nu) * G);
+  const long long n_in = (kb1 - kb0) < p.w_cap ? (kb1 - kb0) : p.w_cap;
+
+  // Load this block's nonzeros (as many as fit) and its initial state.
+  for (long long k = tid; k < n_in; k += nthr) {
+    w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(col_idx + kb0 + k));
+  }
+  for (int i = tid; i < nu * bpad; i += nthr) {
+    const int ul = i / bpad, b = i % bpad;
+    const long long g = static_cast<long long>(b) * H + u0 + ul;
+    hst[i] = b < B ? T::to_f(static_cast<const S*>(p.h0)[g]) : 0.0f;
+    if constexpr (kLstmCell) cst[i] = b < B ? T::to_f(static_cast<const S*>(p.c0)[g]) : 0.0f;
+  }
+  __syncthreads();
+
+  const int npairs = nu * BT;
+  const long long GH = static_cast<long long>(G) * H;
+  S* ys = static_cast<S*>(p.ys);
+  S* cs = static_cast<S*>(p.cs);
+  X* xtag = static_cast<X*>(p.xbuf);
+  S* xraw = static_cast<S*>(p.xbuf);
+
+  for (int s = 0; s < lmax; ++s) {
+    for (int j = 0; j < p.ntiles; ++j) {
+      const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * H) * BT;
+      const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
+
+      // Prefetch the input projection of this thread's first (unit, b) pair: the loads are in
+      // flight while the block waits for h.
+      float xr[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) xr[g] = 0.0f;
+      if (tid < npairs) {
+        const int b = j * BT + tid % BT;
+        if (b < B) {
+          int len = __ldg(p.lengths + b);
+          len = len < 0 ? 0 : (len > nT ? nT : len);
+          if (s < len) {
+            const int t = step_time(s, len, p.reverse != 0);
+            const S* xq = xp + (static_cast<long long>(t) * B + b) * GH + u0 + tid / BT;
+#pragma unroll
+            for (int g = 0; g < G; ++g) xr[g] = T::to_f(xq[static_cast<long long>(g) * H]);
+          }
+        }
+      }
+
+      // 1. h_{s-1} of this tile into shared memory.
+      bool aborted = false;
+      if (s == 0) {
+        for (int u = tid; u < H; u += nthr) {
+          uint32_t bits[BT];
+#pragma unroll
+          for (int i = 0; i < BT; ++i) {
+            const int b = j * BT + i;
+            bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
+          }
+          store_h<S, BT, kWide>(h_s, H, u, bits);
+        }
+      } else if (!p.lamport) {
+        if (tid == 0) {
+          const unsigned int target = static_cast<unsigned int>(s) * static_cast<unsigned int>(nb);
+          const unsigned long long start = global_ns();
+          int it = 0;
+          while (static_cast<int>(ld_acquire(p.counters + j) - target) < 0) {
+            if ((++it & 63) == 0 && wait_expired(p, start)) { aborted = true; break; }
+          }
+          __threadfence();
+        }
+        if (__syncthreads_or(aborted)) return;
+        const S* src = xraw + prev_off;
+        for (int u = tid; u < H; u += nthr) {
+          uint32_t bits[BT];
+          if constexpr (sizeof(S) * BT >= 16) {
+#pragma unroll
+            for (int i = 0; i < static_cast<int>(sizeof(S)) * BT / 16; ++i) {
+              const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src + static_cast<long long>(u) * BT) + i);
+              const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+              for (int q = 0; q < 4; ++q) {
+                if constexpr (sizeof(S) == 4) {
+                  bits[i * 4 + q] = w[q];
+                } else {
+                  bits[i * 8 + 2 * q] = w[q] & 0xffffu;
+                  bits[i * 8 + 2 * q + 1] = w[q] >> 16;
+                }
+              }
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < BT; ++i) {
+              if constexpr (sizeof(S) == 4) {
+                bits[i] = __float_as_uint(__ldcg(reinterpret_cast<const float*>(src) + static_cast<long long>(u) * BT + i));
+              } else {
+                bits[i] = __ldcg(reinterpret_cast<const unsigned short*>(src) + static_cast<long long>(u) * BT + i);
+              }
+            }
+          }
+          store_h<S, BT, kWide>(h_s, H, u, bits);
+        }
+      } else {
+        const uint32_t tag = T::tag_of(s - 1);
+        const X* src = xtag + prev_off;
+        const unsigned long long start = global_ns();
+        for (int ub = tid; ub < H && !aborted; ub += nthr * K) {
+          unsigned int pending = 0;
+#pragma unroll
+          for (int i = 0; i < K; ++i)
+            if (ub + i * nthr < H) pending |= 1u << i;
+          int it = 0;
+          while (pending) {
+            X w[K][BT];
+#pragma unroll
+            for (int i = 0; i < K; ++i)
+              if (pending & (1u << i)) load_x<X, BT>(src + static_cast<long long>(ub + i * nthr) * BT, w[i]);
+#pragma unroll
+            for (int i = 0; i < K; ++i) {
+              if (pending & (1u << i)) {
+                bool ok = true;
+#pragma unroll
+                for (int q = 0; q < BT; ++q) ok = ok && T::x_ok(w[i][q], tag);
+                if (ok) {
+                  uint32_t bits[BT];
+#pragma unroll
+                  for (int q = 0; q < BT; ++q) bits[q] = T::x_bits(w[i][q]);
+                  store_h<S, BT, kWide>(h_s, H, ub + i * nthr, bits);
+                  pending &= ~(1u << i);
+                }
+              }
+            }
+            if (pending && (++it & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
+          }
+        }
+      }
+      if (__syncthreads_or(aborted)) return;
+
+      // 2. Rows: one warp per packed row, lanes stride over its nonzeros (a row's k-th nonzero
+      //    goes to lane k % 32, which is what the bank-aware packing order assumes).
+      for (int r = warp; r < nu * G; r += nwarps) {
+        const long long rg = static_cast<long long>(u0) * G + r;
+        const int k0 = __ldg(row_ptr + rg);
+        const int k1 = __ldg(row_ptr + rg + 1);
+        float acc[BT];
+#pragma unroll
+        for (int i = 0; i < BT; ++i) acc[i] = 0.0f;
+        if (k1 - kb0 <= n_in) {
+          const W* wr = w_s - kb0;
+#pragma unroll 4
+          for (int k = k0 + lane; k < k1; k += 32) {
+            float v;
+            int col;
+            T::unpack_w(wr[k], v, col);
+            float hv[BT];
+            gather_h<D, BT, kWide>(h_s, H, col, hv);
+#pragma unroll
+            for (int i = 0; i < BT; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+          }
+        } else {
+#pragma unroll 4
+          for (int k = k0 + lane; k < k1; k += 32) {
+            const float v = T::to_f(vals[k]);
+            const int col = __ldg(col_idx + k);
+            float hv[BT];
+            gather_h<D, BT, kWide>(h_s, H, col, hv);
+#pragma unroll
+            for (int i = 0; i < BT; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+          }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+          for (int i = 0; i < BT; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int i = 0; i < BT; ++i) acc_s[r * BT + i] = acc[i];
+        }
+      }
+      __syncthreads();
+
+      // 3. Cell update and publish.
+      for (int pi = tid; pi < npairs; pi += nthr) {
+        const int ul = pi / BT, bt = pi % BT;
+        const int u = u0 + ul;
+        const int b = j * BT + bt;
+        int len = 0;
+        if (b < B) {
+          len = __ldg(p.lengths + b);
+          len = len < 0 ? 0 : (len > nT ? nT : len);
+        }
+        const bool valid = s < len;
+        float x[G];
+        if (pi == tid) {
+#pragma unroll
+          for (int g = 0; g < G; ++g) x[g] = xr[g];
+        } else {
+#pragma unroll
+          for (int g = 0; g < G; ++g) x[g] = 0.0f;
+          if (valid) {
+            const int t = step_time(s, len, p.reverse != 0);
+            const S* xq = xp + (static_cast<long long>(t) * B + b) * GH + u;
+#pragma unroll
+            for (int g = 0; g < G; ++g) x[g] = T::to_f(xq[static_cast<long long>(g) * H]);
+          }
+        }
+        const int si = ul * bpad + b;
+        const float hprev = hst[si];
+        float hnew = hprev;
+        if (valid) {
+          const int t = step_time(s, len, p.reverse != 0);
+          const long long o = (static_cast<long long>(t) * B + b) * H + u;
+          if constexpr (kCell == Cell::kLstm) {
+            float pre[4];
+#pragma unroll
+            for (int g = 0; g < 4; ++g) pre[g] = x[g] + acc_s[(ul * 4 + g) * BT + bt];
+            float c = cst[si];
+            hnew = lstm_step(pre, c);
+            cst[si] = c;
+            cs[o] = T::from_f(c);
+          } else if constexpr (kCell == Cell::kGru) {
+            float hw[3];
+#pragma unroll
+            for (int g = 0; g < 3; ++g) hw[g] = acc_s[(ul * 3 + g) * BT + bt];
+            const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
+            hnew = gru_step(x, hw, bh, hprev);
+          } else {
+            const float hw = acc_s[ul * BT + bt];
+            hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw) : rnn_step<Cell::kRnnTanh>(x[0], hw);
+          }
+          hst[si] = hnew;
+          ys[o] = T::from_f(hnew);
+        } else if (b < B) {
+          // Step s >= L_b: time position s is padding.
+          const long long o = (static_cast<long long>(s) * B + b) * H + u;
+          ys[o] = T::from_f(0.0f);
+          if constexpr (kLstmCell) cs[o] = T::from_f(0.0f);
+        }
+        const long long xo = tile_off + static_cast<long long>(u) * BT + bt;
+        if (p.lamport) {
+          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
+        } else {
+          if constexpr (sizeof(S) == 4) {
+            __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
+          } else {
+            __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
+          }
+        }
+      }
+      if (!p.lamport) {
+        __syncthreads();
+        if (tid == 0) {
+          __threadfence();
+          atomicAdd(p.counters + j, 1u);
+        }
+      }
+    }
+  }
+
+  // Padding steps after the longest sequence, and the final carry.
+  const long long pad_n = static_cast<long long>(nT - lmax) * B * nu;
+  for (long long i = tid; i < pad_n; i += nthr) {
+    const int ul = static_cast<int>(i % nu);
+    const long long sb = i / nu;  // (s - lmax) * B + b
+    const long long o = (static_cast<long long>(lmax) * B + sb) * H + u0 + ul;
+    ys[o] = T::from_f(0.0f);
+    if constexpr (kLstmCell) cs[o] = T::from_f(0.0f);
+  }
+  for (int i = tid; i < nu * B; i += nthr) {
+    const int ul = i % nu, b = i / nu;
+    const long long o = static_cast<long long>(b) * H + u0 + ul;
+    static_cast<S*>(p.hT)[o] = T::from_f(hst[ul * bpad + b]);
+    if constexpr (kLstmCell) static_cast<S*>(p.cT)[o] = T::from_f(cst[ul * bpad + b]);
+  }
+}
+
+// ---- fallback: one non-persistent launch per step ------------------------------------------
+//
+// For layers whose h tile and state do not fit in shared memory, or GPUs that cannot run the
+// cooperative grid. One warp per (unit, b); h is double-buffered in float32 in the workspace.
+// hbuf: 2 x B x H floats, cbuf: B x H floats (lstm), both initialised by step_init.
+template <Cell kCell, DType D>
+__global__ void step_init(Params p, float* hbuf, float* cbuf) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  const long long n = static_cast<long long>(p.B) * p.H;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    hbuf[i] = T::to_f(static_cast<const S*>(p.h0)[i]);
+    if constexpr (kCell == Cell::kLstm) cbuf[i] = T::to_f(static_cast<const S*>(p.c0)[i]);
+  }
+}
+
+template <Cell kCell, DType D>
+__global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  constexpr int G = gates_of(kCell);
+  const int lane = threadIdx.x & 31;
+  const long long wid = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
+  const int H = p.H, B = p.B, T_ = p.T;
+  if (wid >= static_cast<long long>(H) * B) return;
+  const int u = static_cast<int>(wid % H);
+  const int b = static_cast<int>(wid / H);
+  const float* hin = hbuf + (s & 1) * static_cast<long long>(B) * H;
+  float* hout = hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
+  int len = __ldg(p.lengths + b);
+  len = len < 0 ? 0 : (len > T_ ? T_ : len);
+  const long long bi = static_cast<long long>(b) * H + u;
+  const float hprev = hin[bi];
+  if (s >= len) {
+    if (lane == 0) {
+      hout[bi] = hprev;
+      const long long o = (static_cast<long long>(s) * B + b) * H + u;
+      static_cast<S*>(p.ys)[o] = T::from_f(0.0f);
+      if constexpr (kCell == Cell::kLstm) static_cast<S*>(p.cs)[o] = T::from_f(0.0f);
+    }
+    return;
+  }
+  const S* vals = static_cast<const S*>(p.values);
+  float hw[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const long long r = static_cast<long long>(u) * G + g;
+    const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
+    float a = 0.0f;
+    for (int k = k0 + lane; k < k1; k += 32)
+      a = fmaf(T::to_f(vals[k]), hin[static_cast<long long>(b) * H + __ldg(p.col_idx + k)], a);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+    hw[g] = a;
+  }
+  if (lane != 0) return;
+  const int t = step_time(s, len, p.reverse != 0);
+  const S* xq = static_cast<const S*>(p.xp) + (static_cast<long long>(t) * B + b) * G * static_cast<long long>(H) + u;
+  float x[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) x[g] = T::to_f(xq[static_cast<long long>(g) * H]);
+  const long long o = (static_cast<long long>(t) * B + b) * H + u;
+  float hnew;
+  if constexpr (kCell == Cell::kLstm) {
+    float pre[4];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
+    float c = cbuf[bi];
+    hnew = lstm_step(pre, c);
+    cbuf[bi] = c;
+    static_cast<S*>(p.cs)[o] = T::from_f(c);
+  } else if constexpr (kCell == Cell::kGru) {
+    hnew = gru_step(x, hw, T::to_f(static_cast<const S*>(p.b_hn)[u]), hprev);
+  } else {
+    hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw[0]) : rnn_step<Cell::kRnnTanh>(x[0], hw[0]);
+  }
+  hout[bi] = hnew;
+  static_cast<S*>(p.ys)[o] = T::from_f(hnew);
+}
+
+template <Cell kCell, DType D>
+__global__ void step_final(Params p, const float* hfin, const float* cbuf) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  const long long n = static_cast<long long>(p.B) * p.H;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    static_cast<S*>(p.hT)[i] = T::from_f(hfin[i]);
+    if constexpr (kCell == Cell::kLstm) static_cast<S*>(p.cT)[i] = T::from_f(cbuf[i]);
+  }
+}
+
+}  // namespace cuda
+}  // namespace sprnn
