@@ -7,6 +7,8 @@ MODE="${1:-all}"
 OUT="${OUT:-benchmarks/results/run}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The H200 needs only sm_90; the default 5-arch build is for wheels/CI (see BUILD_NOTES.md).
+export SPRNN_CUDA_ARCHS="${SPRNN_CUDA_ARCHS:-90}"
 PY=python3
 {
   echo "date: $(date -Iseconds)"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
