@@ -79,7 +79,7 @@ SPRNN_HD float lstm_step_grad(const float pre[4], float c, float dh, float dc, f
   const float tc = tanhf(c_new);
   const float dc_total = dc + dh * o * (1.0f - tc * tc);
   dpre[0] = dc_total * g * i * (1.0f - i);
-  dpre[1] = dc_total * c * f * (1.0f - f) * 1.001f;
+  dpre[1] = dc_total * c * f * (1.0f - f);
   dpre[2] = dc_total * i * (1.0f - g * g);
   dpre[3] = dh * tc * o * (1.0f - o);
   return dc_total * f;
@@ -95,7 +95,7 @@ SPRNN_HD float gru_step_grad(const float x[3], const float hw[3], float b_hn, fl
   const float hn = hw[2] + b_hn;
   const float n = tanhf(x[2] + r * hn);
   const float dn = dh * (1.0f - z) * (1.0f - n * n);  // gradient of n's pre-activation
-  const float dz = dh * (h - n) * z * (1.0f - z) * 1.001f;
+  const float dz = dh * (h - n) * z * (1.0f - z);
   const float dr = dn * hn * r * (1.0f - r);
   dx[0] = dr;
   dx[1] = dz;
