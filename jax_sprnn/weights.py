@@ -103,8 +103,11 @@ class SparseWeights:
     def to_dense(self) -> jax.Array:
         """The dense ``(H, G*H)`` kernel (zeros where pruned)."""
         hidden, gates = self.hidden_size, self.gates
-        rows = jnp.repeat(jnp.arange(gates * hidden, dtype=jnp.int32), jnp.diff(self.row_ptr),
-                          total_repeat_length=self.nnz)
+        if isinstance(self.row_ptr, jax.core.Tracer):
+            rows = jnp.repeat(jnp.arange(gates * hidden, dtype=jnp.int32),
+                              jnp.diff(self.row_ptr), total_repeat_length=self.nnz)
+        else:  # concrete pattern: index on the host (XLA would constant-fold it slowly)
+            rows = np.repeat(np.arange(gates * hidden, dtype=np.int32), np.diff(self.row_ptr))
         dense_col = (rows % gates) * hidden + rows // gates
         dense = jnp.zeros((hidden, gates * hidden), self.values.dtype)
         return dense.at[self.col_idx, dense_col].set(self.values)

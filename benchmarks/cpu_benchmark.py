@@ -1,0 +1,89 @@
+"""CPU benchmark: the C++ sparse handler vs a pure-JAX dense lax.scan on the same inputs.
+
+    python benchmarks/cpu_benchmark.py [--hidden 1024 --batch 4 --steps 128 --density 0.1]
+
+Prints the median time per call and per step of each, and the speed-up, for rnn, lstm, gru.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sprnn as sp
+from jax_sprnn import reference
+
+GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_cell(cell, hidden, batch, steps, density, dtype, repeats, rng):
+    gates = GATES[cell]
+    mask = rng.random((hidden, gates * hidden)) < density
+    kernel = (rng.standard_normal(mask.shape) / np.sqrt(density * hidden) * mask).astype(dtype)
+    xp = jnp.asarray(rng.standard_normal((steps, batch, gates * hidden)), dtype)
+    carry = tuple(jnp.zeros((batch, hidden), dtype) for _ in range(2 if cell == "lstm" else 1))
+    b_hn = jnp.zeros((hidden,), dtype)
+    lengths = jnp.full((batch,), steps, jnp.int32)
+    w = sp.SparseWeights.from_dense(kernel, mask)
+    dense_kernel = jnp.asarray(kernel)
+
+    def sparse(xp, carry):
+        if cell == "lstm":
+            return sp.lstm(xp, carry, w)
+        if cell == "gru":
+            return sp.gru(xp, carry[0], w, b_hn)
+        return sp.rnn(xp, carry[0], w)
+
+    def dense(xp, carry):
+        return reference.recurrence(cell, xp, carry, dense_kernel, lengths,
+                                    b_hn if cell == "gru" else None)
+
+    t_sparse = median_seconds(jax.jit(sparse), xp, carry, repeats=repeats)
+    t_dense = median_seconds(jax.jit(dense), xp, carry, repeats=repeats)
+    ys_s = np.asarray(jax.jit(sparse)(xp, carry)[0], np.float32)
+    ys_d = np.asarray(jax.jit(dense)(xp, carry)[0], np.float32)
+    err = np.linalg.norm(ys_s - ys_d) / max(np.linalg.norm(ys_d), 1e-30)
+    return t_sparse, t_dense, err
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--density", type=float, default=0.1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--cells", default="rnn,lstm,gru")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"# jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+          f"{jax.device_count('cpu')} cpu device(s); H={args.hidden} B={args.batch} "
+          f"T={args.steps} density={args.density} {args.dtype}, median of {args.repeats}")
+    print(f"{'cell':5} {'sparse C++ ms':>14} {'dense scan ms':>14} {'us/step sparse':>15} "
+          f"{'us/step dense':>14} {'speed-up':>9} {'rel.diff':>9}")
+    for cell in args.cells.split(","):
+        t_s, t_d, err = bench_cell(cell, args.hidden, args.batch, args.steps, args.density,
+                                   jnp.dtype(args.dtype), args.repeats, rng)
+        print(f"{cell:5} {t_s * 1e3:14.2f} {t_d * 1e3:14.2f} {t_s / args.steps * 1e6:15.1f} "
+              f"{t_d / args.steps * 1e6:14.1f} {t_d / t_s:8.2f}x {err:9.1e}")
+
+
+if __name__ == "__main__":
+    main()
