@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    import jax_sprnn._ffi as ffi
+
+    if not ffi.CPU_TARGETS:
+        pytest.exit("jax_sprnn was imported without its compiled extension (from "
+                    f"{ffi.__file__}). Build and install it first: scripts/test.sh does both.",
+                    returncode=2)

@@ -51,7 +51,7 @@ def _dispatch(primitive, platform_rule):
     """Lowering rule: partitioned call when local=False, else the platform handler."""
 
     def rule(ctx, *operands, local, **params):
-        if not local:
+        if not local and _DEVICES_AT_LOWERING is not None:
             fun = functools.partial(sharding.partitioned, primitive, params)
             return mlir.lower_fun(fun, multiple_results=True)(ctx, *operands)
         return platform_rule(ctx, *operands, **params)
@@ -69,7 +69,10 @@ def _require_cpu(rule):
 
 # custom_partitioning's lowering needs the device assignment, which JAX only passes to
 # lowerings of primitives in this set (JAX's cuDNN attention registers itself the same way).
-dispatch.prim_requires_devices_during_lowering.update({forward_p, backward_p})
+# Without it (a future JAX), the primitives lower unpartitioned: correct, but not sharded.
+_DEVICES_AT_LOWERING = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+if _DEVICES_AT_LOWERING is not None:
+    _DEVICES_AT_LOWERING.update({forward_p, backward_p})
 
 mlir.register_lowering(forward_p, _dispatch(forward_p, _require_cpu(_forward_cpu)),
                        platform="cpu")
