@@ -56,7 +56,7 @@ CONFIGS = {
                    eval_batch=4, eval_chunk=64),
     # The default: the whole pipeline in well under 10 minutes on a 2-core CPU.
     "cpu": Config("cpu", hidden=256, embed=64, layers=1, seq_len=64, batch=32, lr=3e-3,
-                  pretrain_steps=600, prune_steps=150, finetune_steps=100, prune_every=10,
+                  pretrain_steps=1000, prune_steps=200, finetune_steps=100, prune_every=10,
                   densities=(1.0, 0.3, 0.1, 0.05), train_chars=3_000_000, val_chars=65_536,
                   eval_batch=16, eval_chunk=256),
     # For a GPU: a 2-layer H=1024 model.

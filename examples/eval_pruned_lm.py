@@ -97,7 +97,9 @@ def run(cfg: charlm.Config, workdir: str, quiet: bool = False) -> list[dict]:
               f"(max |logit diff| {max_diff:.2e}); {1e6 * sec_d / steps:.1f} vs "
               f"{1e6 * sec_s / steps:.1f} us/step")
     device = jax.devices()[0]
-    meta = {"config": cfg.name, "device": f"{device.platform}: {device.device_kind}",
+    kind = device.device_kind
+    meta = {"config": cfg.name,
+            "device": device.platform if kind == device.platform else f"{device.platform}: {kind}",
             "hidden": cfg.hidden, "layers": cfg.layers, "eval_batch": cfg.eval_batch,
             "eval_chars": chars}
     charlm.write_json(Path(workdir) / "results.json", {"meta": meta, "rows": rows})
