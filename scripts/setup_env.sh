@@ -18,8 +18,5 @@ echo "==> building jax_sprnn (C++ CPU extension; CUDA extension too when nvcc is
 start=$(date +%s)
 "$py" -m pip install -q --no-build-isolation -C build-dir="$repo/build/venv" "$repo[$extras]"
 echo "==> built and installed in $(( $(date +%s) - start )) s"
-"$py" - <<'PY'
-import jax_sprnn._ffi as f
-print("    CPU extension:", "yes" if f.CPU_TARGETS else "NO",
-      "| CUDA extension:", "yes" if f.CUDA_TARGETS else "no (nvcc not found at build time)")
-PY
+# From / so that the installed package, not the source tree, is imported.
+(cd / && "$py" -c 'import jax_sprnn._ffi as f; print("    CPU extension:", "yes" if f.CPU_TARGETS else "NO", "| CUDA extension:", "yes" if f.CUDA_TARGETS else "no (nvcc was not found at build time)")')
