@@ -185,6 +185,7 @@ def main():
     ap.add_argument("--sweeps", action="store_true")
     ap.add_argument("--batch", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time run-time knobs (env) of the kernel")
     ap.add_argument("--ncu-one", type=int, default=None,
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
@@ -215,6 +216,30 @@ def main():
         with open(os.path.join(args.out, "results.md"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
 
+    if args.tune:
+        lines += ["## Run-time knobs (us/step)", ""]
+        knobs = [{}, {"SPRNN_CUDA_SYNC_CHECK": "0"}, {"SPRNN_CUDA_SPIN_NS": "50"},
+                 {"SPRNN_CUDA_SPIN_NS": "200"}, {"SPRNN_CUDA_THREADS": "512"},
+                 {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BT": "1"}, {"SPRNN_CUDA_BT": "2"},
+                 {"SPRNN_CUDA_BT": "4"}]
+        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("rnn", "relu", 5760, 0.1),
+                                ("lstm", None, 4096, 0.1)]:
+            kernel, mask, xp, h0 = problem(cell, H, 4, T, d, jnp.float16)
+            carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
+            w = sp.SparseWeights.from_dense(kernel, mask)
+            f, c0 = method_kernel(cell, act, w, xp, carry)
+            row = dict(cell=cell, H=H, density=d)
+            for kn in knobs:
+                os.environ.update(kn)
+                try:
+                    row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
+                finally:
+                    for k in kn:
+                        os.environ.pop(k, None)
+            print(json.dumps(row), flush=True)
+            res.setdefault("tune", []).append(row)
+            lines.append("- " + json.dumps(row))
+            save()
     if args.targets:
         lines += ["## Targets (B=4)", "",
                   "| config | ours | target | JAX scan | scan unroll 8 | scan unroll 32 | cuDNN LSTM |"

@@ -5,6 +5,7 @@
 set -uo pipefail
 MODE="${1:-all}"
 OUT="${OUT:-benchmarks/results/run}"
+export SPRNN_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # The H200 needs only sm_90; the default 5-arch build is for wheels/CI (see BUILD_NOTES.md).
@@ -22,14 +23,17 @@ if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
-  timeout 400 $PY -m pytest -x -q tests/test_gpu_kernel.py 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+  # Run pytest from outside the checkout so that the installed package (with its compiled
+  # extensions) is imported, not the source tree.
+  REPO="$(pwd)"
+  (cd /tmp && timeout 400 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" 2>&1) | tee "$OUT/test_gpu.log" | tail -25
   if [ "$MODE" != quick ]; then
-    timeout 300 $PY -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/test_all.log" | tail -15
+    (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1) | tee "$OUT/test_all.log" | tail -15
   fi
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   if [ "$MODE" = quick ]; then
-    timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
+    timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --tune --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
   else
     timeout 420 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --batch --sweeps 2>&1 | tee "$OUT/bench.log" | tail -45
   fi

@@ -125,17 +125,22 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
   const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
   const bool lstm = gates == 4;
 
-  int cands[3];
+  // Batch tiles, largest first: the largest whose weights fit on chip wins. SPRNN_CUDA_BT
+  // forces one (benchmarks).
+  int cands[4];
   int nc = 0;
+  const long long force_bt = env_int("SPRNN_CUDA_BT", 0);
   if (!pl.wide) {
     cands[nc++] = 4;
-  } else if (dtype != 0) {
-    if (B >= 5) cands[nc++] = 8;
-    if (B >= 2) cands[nc++] = 4;
-    cands[nc++] = 1;
   } else {
-    if (B >= 2) cands[nc++] = 4;
+    if (dtype != 0 && B >= 5) cands[nc++] = 8;
+    if (B >= 3) cands[nc++] = 4;
+    if (B >= 2) cands[nc++] = 2;
     cands[nc++] = 1;
+    if (force_bt == 1 || force_bt == 2 || force_bt == 4 || (force_bt == 8 && dtype != 0)) {
+      cands[0] = static_cast<int>(force_bt);
+      nc = 1;
+    }
   }
   bool found = false;
   Plan best;
@@ -159,7 +164,7 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
       best = c;
       found = true;
     }
-    if (c.on_chip) break;  // largest batch tile whose weights fit
+    if (c.on_chip || nc == 1) break;  // largest batch tile whose weights fit
   }
   if (!found) {
     pl.reason = "the hidden state tile and per-unit state of this layer (H = " +
@@ -184,6 +189,7 @@ KernelFn persistent_kernel(int bt, bool wide) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
   switch (bt) {
     case 1: return &persistent_fwd<C, D, 1, true>;
+    case 2: return &persistent_fwd<C, D, 2, true>;
     case 4: return &persistent_fwd<C, D, 4, true>;
     case 8:
       if constexpr (D != DType::kF32) return &persistent_fwd<C, D, 8, true>;
@@ -340,6 +346,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.activation = static_cast<int>(activation);
   p.reverse = reverse ? 1 : 0;
   p.timeout_ns = env_int("SPRNN_CUDA_TIMEOUT_MS", 5000) * 1000000LL;
+  p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)

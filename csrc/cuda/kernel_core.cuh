@@ -65,6 +65,7 @@ struct Params {
   int u_cap;              // max units per block (smem sized for it)
   int w_cap;              // nonzeros per block kept in shared memory
   long long timeout_ns;   // per wait
+  int spin_ns;            // back-off after a poll that found nothing new (0 = none)
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -350,9 +351,13 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
 // ---- waits ------------------------------------------------------------------------------------
 
 // Returns true when the wait must be abandoned (deadline passed or another block aborted).
-__device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long start) {
+// `start` is read lazily at the first check (0 = not yet), so a wait that succeeds at once
+// never reads the timer.
+__device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long& start) {
   if (ld_relaxed(reinterpret_cast<const uint32_t*>(p.abort_flag)) != 0u) return true;
-  if (global_ns() - start > static_cast<unsigned long long>(p.timeout_ns)) {
+  const unsigned long long now = global_ns();
+  if (start == 0) start = now;
+  if (now - start > static_cast<unsigned long long>(p.timeout_ns)) {
     atomicExch(p.abort_flag, 1);
     return true;
   }
@@ -480,9 +485,10 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
       } else if (!p.lamport) {
         if (tid == 0) {
           const unsigned int target = static_cast<unsigned int>(s) * static_cast<unsigned int>(nb);
-          const unsigned long long start = global_ns();
+          unsigned long long start = 0;
           int it = 0;
           while (static_cast<int>(ld_acquire(p.counters + j) - target) < 0) {
+            if (p.spin_ns) __nanosleep(p.spin_ns);
             if ((++it & 63) == 0 && wait_expired(p, start)) { aborted = true; break; }
           }
           __threadfence();
@@ -521,7 +527,7 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
       } else {
         const uint32_t tag = T::tag_of(s - 1);
         const X* src = xtag + prev_off;
-        const unsigned long long start = global_ns();
+        unsigned long long start = 0;
         for (int ub = tid; ub < H && !aborted; ub += nthr * K) {
           unsigned int pending = 0;
 #pragma unroll
@@ -548,7 +554,10 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
                 }
               }
             }
-            if (pending && (++it & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
+            if (pending) {
+              if (p.spin_ns) __nanosleep(p.spin_ns);
+              if ((++it & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
+            }
           }
         }
       }
@@ -565,8 +574,25 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
         for (int i = 0; i < BT; ++i) acc[i] = 0.0f;
         if (k1 - kb0 <= n_in) {
           const W* wr = w_s - kb0;
-#pragma unroll 4
-          for (int k = k0 + lane; k < k1; k += 32) {
+          int k = k0 + lane;
+          // Four nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
+          for (; k + 96 < k1; k += 128) {
+            W wq[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) wq[q] = wr[k + 32 * q];
+            float v[4], hv[4][BT];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              int col;
+              T::unpack_w(wq[q], v[q], col);
+              gather_h<D, BT, kWide>(h_s, H, col, hv[q]);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+              for (int i = 0; i < BT; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
+          }
+          for (; k < k1; k += 32) {
             float v;
             int col;
             T::unpack_w(wr[k], v, col);
