@@ -14,43 +14,59 @@
 #include <vector>
 
 #include "common/cells.h"
+#include "cpu/fast_math.h"
 #include "cpu/float_convert.h"
 
 namespace sprnn::cpu {
 
 // ---- row kernels -----------------------------------------------------------------------------
 
+// One nonzero as the row kernels read it: the weight and the offset col * B of its hidden unit
+// in a batch-contiguous state (one stream instead of two, and no index multiply per nonzero).
+struct Nz {
+  float v;
+  int32_t off;
+};
+
+#define SPRNN_CPU_INLINE inline __attribute__((always_inline))
+
+// B floats as one GCC/Clang vector-extension value (kB a power of two): one B-wide
+// multiply-add per nonzero, without relying on the auto-vectorizer (which, left alone,
+// vectorizes these loops across nonzeros with shuffles instead of across the batch).
+template <int kB>
+struct BatchVec {
+  typedef float type __attribute__((vector_size(kB * sizeof(float))));
+  static SPRNN_CPU_INLINE type load(const float* p) {
+    type v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static SPRNN_CPU_INLINE void store(float* p, type v) { std::memcpy(p, &v, sizeof(v)); }
+};
+
 // out[b] = sum_k v[k] * h[col[k] * B + b] over one packed row of n nonzeros.
 template <int kB>
-void row_gemv(const float* __restrict v, const int32_t* __restrict col, int64_t n,
-              const float* __restrict h, int B, float* __restrict out) {
+void row_gemv(const Nz* __restrict nz, int64_t n, const float* __restrict h, int B,
+              float* __restrict out) {
   if constexpr (kB > 0) {
+    using V = BatchVec<kB>;
+    using vec = typename V::type;
     // Four independent accumulators hide the add latency of the dependent chain.
-    float a0[kB] = {}, a1[kB] = {}, a2[kB] = {}, a3[kB] = {};
+    vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
     int64_t k = 0;
     for (; k + 4 <= n; k += 4) {
-      const float* h0 = h + static_cast<int64_t>(col[k]) * kB;
-      const float* h1 = h + static_cast<int64_t>(col[k + 1]) * kB;
-      const float* h2 = h + static_cast<int64_t>(col[k + 2]) * kB;
-      const float* h3 = h + static_cast<int64_t>(col[k + 3]) * kB;
-      const float v0 = v[k], v1 = v[k + 1], v2 = v[k + 2], v3 = v[k + 3];
-      for (int b = 0; b < kB; ++b) {
-        a0[b] += v0 * h0[b];
-        a1[b] += v1 * h1[b];
-        a2[b] += v2 * h2[b];
-        a3[b] += v3 * h3[b];
-      }
+      a0 += nz[k].v * V::load(h + nz[k].off);
+      a1 += nz[k + 1].v * V::load(h + nz[k + 1].off);
+      a2 += nz[k + 2].v * V::load(h + nz[k + 2].off);
+      a3 += nz[k + 3].v * V::load(h + nz[k + 3].off);
     }
-    for (; k < n; ++k) {
-      const float* hk = h + static_cast<int64_t>(col[k]) * kB;
-      for (int b = 0; b < kB; ++b) a0[b] += v[k] * hk[b];
-    }
-    for (int b = 0; b < kB; ++b) out[b] = (a0[b] + a1[b]) + (a2[b] + a3[b]);
+    for (; k < n; ++k) a0 += nz[k].v * V::load(h + nz[k].off);
+    V::store(out, (a0 + a1) + (a2 + a3));
   } else {
     for (int b = 0; b < B; ++b) out[b] = 0.0f;
     for (int64_t k = 0; k < n; ++k) {
-      const float* hk = h + static_cast<int64_t>(col[k]) * B;
-      const float vk = v[k];
+      const float* hk = h + nz[k].off;
+      const float vk = nz[k].v;
       for (int b = 0; b < B; ++b) out[b] += vk * hk[b];
     }
   }
@@ -61,41 +77,40 @@ void row_gemv(const float* __restrict v, const int32_t* __restrict col, int64_t 
 //   dv[g * nnz + k] += sum_{b in group g} d[b] * hprev[col[k] * B + b]   (weight gradient)
 // dv points at the row's first nonzero in group 0; batch row b belongs to group b / (B/groups).
 template <int kB>
-void row_bwd(const float* __restrict v, const int32_t* __restrict col, int64_t n,
-             const float* __restrict hprev, const float* __restrict d_in, int B, int groups,
-             int64_t nnz, float* __restrict dh_acc, float* __restrict dv) {
-  constexpr int kBuf = kB > 0 ? kB : 1;
-  const int nb = kB > 0 ? kB : B;
-  float d_local[kBuf];
-  const float* d = d_in;
+void row_bwd(const Nz* __restrict nz, int64_t n, const float* __restrict hprev,
+             const float* __restrict d_in, int B, int groups, int64_t nnz,
+             float* __restrict dh_acc, float* __restrict dv) {
   if constexpr (kB > 0) {
-    for (int b = 0; b < kB; ++b) d_local[b] = d_in[b];
-    d = d_local;
-  }
-  if (groups == 1) {
+    using V = BatchVec<kB>;
+    using vec = typename V::type;
+    const vec d = V::load(d_in);
+    const int per_group = kB / groups;
     for (int64_t k = 0; k < n; ++k) {
-      const int64_t c = static_cast<int64_t>(col[k]) * nb;
-      float* __restrict da = dh_acc + c;
-      const float* __restrict hp = hprev + c;
-      const float vk = v[k];
-      float s = 0.0f;
-      for (int b = 0; b < nb; ++b) {
-        da[b] += vk * d[b];
-        s += d[b] * hp[b];
+      float* da = dh_acc + nz[k].off;
+      V::store(da, V::load(da) + nz[k].v * d);
+      const vec p = d * V::load(hprev + nz[k].off);
+      if (groups == 1) {
+        float s = 0.0f;
+        for (int b = 0; b < kB; ++b) s += p[b];
+        dv[k] += s;
+      } else {
+        for (int g = 0; g < groups; ++g) {
+          float s = 0.0f;
+          for (int b = g * per_group; b < (g + 1) * per_group; ++b) s += p[b];
+          dv[g * nnz + k] += s;
+        }
       }
-      dv[k] += s;
     }
   } else {
-    const int per_group = nb / groups;
+    const int per_group = B / groups;
     for (int64_t k = 0; k < n; ++k) {
-      const int64_t c = static_cast<int64_t>(col[k]) * nb;
-      float* __restrict da = dh_acc + c;
-      const float* __restrict hp = hprev + c;
-      const float vk = v[k];
-      for (int b = 0; b < nb; ++b) da[b] += vk * d[b];
+      float* __restrict da = dh_acc + nz[k].off;
+      const float* __restrict hp = hprev + nz[k].off;
+      const float vk = nz[k].v;
+      for (int b = 0; b < B; ++b) da[b] += vk * d_in[b];
       for (int g = 0; g < groups; ++g) {
         float s = 0.0f;
-        for (int b = g * per_group; b < (g + 1) * per_group; ++b) s += d[b] * hp[b];
+        for (int b = g * per_group; b < (g + 1) * per_group; ++b) s += d_in[b] * hp[b];
         dv[g * nnz + k] += s;
       }
     }
@@ -162,15 +177,13 @@ std::vector<float> to_float_vec(const S* p, int64_t n) {
   return out;
 }
 
-// values as float32: the buffer itself for f32, a converted copy otherwise.
+// The nonzeros as (value in float32, col * B) pairs.
 template <typename S>
-const float* float_values(const S* p, int64_t n, std::vector<float>& storage) {
-  if constexpr (std::is_same_v<S, float>) {
-    return p;
-  } else {
-    storage = to_float_vec(p, n);
-    return storage.data();
-  }
+std::vector<Nz> pack_nonzeros(const S* values, const int32_t* col, int64_t nnz, int64_t B) {
+  std::vector<Nz> nz(static_cast<size_t>(nnz));
+  for (int64_t k = 0; k < nnz; ++k)
+    nz[k] = Nz{to_float(values[k]), static_cast<int32_t>(col[k] * B)};
+  return nz;
 }
 
 // (B, H) storage -> [H][B] float32.
@@ -185,6 +198,22 @@ template <typename S>
 void store_transposed(const float* src, int64_t B, int64_t H, S* dst) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t u = 0; u < H; ++u) dst[b * H + u] = from_float<S>(src[u * B + b]);
+}
+
+// Batch row b of a time step, row[g * H + u] (n gate blocks of H), into the gate-major,
+// batch-contiguous step buffer dst[g * H * B + u * B + b]; and back.
+template <typename S>
+void gather_row(const S* row, int64_t n, int64_t H, int64_t B, int64_t b, float* dst) {
+  for (int64_t g = 0; g < n; ++g)
+    for (int64_t u = 0; u < H; ++u) dst[(g * H + u) * B + b] = to_float(row[g * H + u]);
+}
+inline void zero_row(int64_t n, int64_t H, int64_t B, int64_t b, float* dst) {
+  for (int64_t i = 0; i < n * H; ++i) dst[i * B + b] = 0.0f;
+}
+template <typename S>
+void scatter_row(const float* src, int64_t n, int64_t H, int64_t B, int64_t b, S* row) {
+  for (int64_t g = 0; g < n; ++g)
+    for (int64_t u = 0; u < H; ++u) row[g * H + u] = from_float<S>(src[(g * H + u) * B + b]);
 }
 
 // Zeroes out[t, b, :] (row width w) for the invalid steps t >= len[b].
@@ -224,190 +253,260 @@ struct StepPlan {
 
 }  // namespace detail
 
+// ---- the cell over a whole step -------------------------------------------------------------
+// Flat loops over the H*B entries of a step; the per-gate inputs are gate-major blocks of HB.
+// Separate functions with restrict parameters, so that GCC vectorizes them.
+
+namespace detail {
+
+template <Cell kCell>
+void cell_forward(int64_t HB, const float* __restrict xs, const float* __restrict ps,
+                  const float* __restrict hs, const float* __restrict bias,
+                  const float* __restrict cs, float* __restrict hn, float* __restrict cn) {
+  if constexpr (kCell == Cell::kLstm) {
+    for (int64_t i = 0; i < HB; ++i) {
+      float p[4];
+      for (int g = 0; g < 4; ++g) p[g] = xs[g * HB + i] + ps[g * HB + i];
+      float c = cs[i];
+      hn[i] = lstm_step<FastMath>(p, c);
+      cn[i] = c;
+    }
+  } else if constexpr (kCell == Cell::kGru) {
+    for (int64_t i = 0; i < HB; ++i) {
+      float xv[3], hw[3];
+      for (int g = 0; g < 3; ++g) {
+        xv[g] = xs[g * HB + i];
+        hw[g] = ps[g * HB + i];
+      }
+      hn[i] = gru_step<FastMath>(xv, hw, bias[i], hs[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < HB; ++i) hn[i] = rnn_step<kCell, FastMath>(xs[i], ps[i]);
+  }
+}
+
+// dp: gradient of the pre-activations (what goes through the weights), dxg: of xp (gru only;
+// for rnn / lstm it equals dp), dhn: the direct part of dh_prev, dcn: dc_prev (lstm).
+template <Cell kCell>
+void cell_backward(int64_t HB, const float* __restrict xs, const float* __restrict hws,
+                   const float* __restrict hp, const float* __restrict cp,
+                   const float* __restrict bias, const float* __restrict ys,
+                   const float* __restrict dhs, const float* __restrict dys,
+                   const float* __restrict dcs, float* __restrict dp, float* __restrict dxg,
+                   float* __restrict dhn, float* __restrict dcn) {
+  if constexpr (kCell == Cell::kLstm) {
+    for (int64_t i = 0; i < HB; ++i) {
+      float p[4], g4[4];
+      for (int g = 0; g < 4; ++g) p[g] = xs[g * HB + i] + hws[g * HB + i];
+      dcn[i] = lstm_step_grad<FastMath>(p, cp[i], dhs[i] + dys[i], dcs[i], g4);
+      for (int g = 0; g < 4; ++g) dp[g * HB + i] = g4[g];
+      dhn[i] = 0.0f;
+    }
+  } else if constexpr (kCell == Cell::kGru) {
+    for (int64_t i = 0; i < HB; ++i) {
+      float xv[3], hv[3], dxv[3], dhw[3];
+      for (int g = 0; g < 3; ++g) {
+        xv[g] = xs[g * HB + i];
+        hv[g] = hws[g * HB + i];
+      }
+      dhn[i] = gru_step_grad<FastMath>(xv, hv, bias[i], hp[i], dhs[i] + dys[i], dxv, dhw);
+      for (int g = 0; g < 3; ++g) {
+        dp[g * HB + i] = dhw[g];
+        dxg[g * HB + i] = dxv[g];
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < HB; ++i) {
+      dp[i] = rnn_step_grad<kCell>(ys[i], dhs[i] + dys[i]);
+      dhn[i] = 0.0f;
+    }
+  }
+}
+
+}  // namespace detail
+
 // ---- forward -------------------------------------------------------------------------------
+//
+// Per step: gather xp_t into a gate-major batch-contiguous buffer x[g][u][b], run the sparse
+// rows into pre[g][u][b], then apply the cell to all H*B entries in one flat loop (which the
+// compiler vectorizes: the cell math is branch-free, see fast_math.h), and finally restore the
+// state of batch rows that have no step here and write ys / cs.
 
 template <typename S, Cell kCell>
 void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   constexpr int G = gates_of(kCell);
-  const int64_t T = d.T, B = d.B, H = d.H, GH = G * H;
+  constexpr bool kLstm = kCell == Cell::kLstm;
+  constexpr bool kGru = kCell == Cell::kGru;
+  const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
   detail::StepPlan plan(io.lengths, B, T, reverse);
-
-  std::vector<float> values_storage;
-  const float* vals = detail::float_values(io.values, d.nnz, values_storage);
-  const int32_t* col = io.col_idx;
+  const std::vector<Nz> nz = detail::pack_nonzeros(io.values, io.col_idx, d.nnz, B);
   const int32_t* rp = io.row_ptr;
 
-  std::vector<float> h(H * B), h_next(H * B), c, b_hn, pre(G * B);
+  std::vector<float> h(HB), h_next(HB), x(G * HB), pre(G * HB), c, c_next, bias;
   detail::load_transposed(io.h0, B, H, h.data());
-  if constexpr (kCell == Cell::kLstm) {
-    c.resize(H * B);
+  if constexpr (kLstm) {
+    c.resize(HB);
+    c_next.resize(HB);
     detail::load_transposed(io.c0, B, H, c.data());
   }
-  if constexpr (kCell == Cell::kGru) b_hn = detail::to_float_vec(io.b_hn, H);
-
+  if constexpr (kGru) {
+    bias.resize(HB);
+    for (int64_t i = 0; i < HB; ++i) bias[i] = to_float(io.b_hn[i / B]);
+  }
   detail::zero_invalid(io.ys_out, plan.len, T, B, H);
-  if constexpr (kCell == Cell::kLstm) detail::zero_invalid(io.cs_out, plan.len, T, B, H);
+  if constexpr (kLstm) detail::zero_invalid(io.cs_out, plan.len, T, B, H);
 
   for (int64_t s = 0; s < plan.steps; ++s) {
     plan.at(s);
+    for (int64_t b = 0; b < B; ++b) {
+      if (plan.active[b]) {
+        detail::gather_row(io.xp + (plan.t[b] * B + b) * GH, G, H, B, b, x.data());
+      } else {
+        detail::zero_row(G, H, B, b, x.data());
+      }
+    }
     for (int64_t u = 0; u < H; ++u) {
       for (int g = 0; g < G; ++g) {
         const int64_t r = u * G + g;
-        kern.gemv(vals + rp[r], col + rp[r], rp[r + 1] - rp[r], h.data(), static_cast<int>(B),
-                  pre.data() + g * B);
-      }
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t ub = u * B + b;
-        if (!plan.active[b]) {
-          h_next[ub] = h[ub];
-          continue;
-        }
-        const int64_t row = plan.t[b] * B + b;  // (t, b) row of xp / ys
-        const S* x = io.xp + row * GH;
-        float y;
-        if constexpr (kCell == Cell::kLstm) {
-          float p[4];
-          for (int g = 0; g < 4; ++g) p[g] = to_float(x[g * H + u]) + pre[g * B + b];
-          y = lstm_step(p, c[ub]);
-          io.cs_out[row * H + u] = from_float<S>(c[ub]);
-        } else if constexpr (kCell == Cell::kGru) {
-          float xv[3], hw[3];
-          for (int g = 0; g < 3; ++g) {
-            xv[g] = to_float(x[g * H + u]);
-            hw[g] = pre[g * B + b];
-          }
-          y = gru_step(xv, hw, b_hn[u], h[ub]);
-        } else {
-          y = rnn_step<kCell>(to_float(x[u]), pre[b]);
-        }
-        h_next[ub] = y;
-        io.ys_out[row * H + u] = from_float<S>(y);
+        kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], h.data(), static_cast<int>(B),
+                  pre.data() + g * HB + u * B);
       }
     }
+    detail::cell_forward<kCell>(HB, x.data(), pre.data(), h.data(), kGru ? bias.data() : nullptr,
+                                kLstm ? c.data() : nullptr, h_next.data(),
+                                kLstm ? c_next.data() : nullptr);
+    for (int64_t b = 0; b < B; ++b) {
+      if (!plan.active[b]) {  // no step for this row: the state stays
+        for (int64_t u = 0; u < H; ++u) h_next[u * B + b] = h[u * B + b];
+        if constexpr (kLstm)
+          for (int64_t u = 0; u < H; ++u) c_next[u * B + b] = c[u * B + b];
+        continue;
+      }
+      const int64_t row = plan.t[b] * B + b;
+      detail::scatter_row(h_next.data(), 1, H, B, b, io.ys_out + row * H);
+      if constexpr (kLstm) detail::scatter_row(c_next.data(), 1, H, B, b, io.cs_out + row * H);
+    }
     h.swap(h_next);
+    if constexpr (kLstm) c.swap(c_next);
   }
   detail::store_transposed(h.data(), B, H, io.hT);
-  if constexpr (kCell == Cell::kLstm) detail::store_transposed(c.data(), B, H, io.cT);
+  if constexpr (kLstm) detail::store_transposed(c.data(), B, H, io.cT);
 }
 
 // ---- backward ------------------------------------------------------------------------------
+//
+// Reverse-time BPTT. Per step (latest first): gather the state before the step (h0 / c0 or the
+// neighbouring ys / cs), xp_t and dys_t into batch-contiguous buffers; for lstm / gru recompute
+// hw = h_prev W through the sparse rows; apply the cell's derivative to all H*B entries in one
+// flat loop; then, per sparse row, scatter dpre back through the weights into dh_prev and
+// accumulate the weight gradient.
 
 template <typename S, Cell kCell>
 void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) {
   constexpr int G = gates_of(kCell);
-  constexpr bool kRecompute = kCell == Cell::kLstm || kCell == Cell::kGru;
-  const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, nnz = d.nnz;
+  constexpr bool kLstm = kCell == Cell::kLstm;
+  constexpr bool kGru = kCell == Cell::kGru;
+  constexpr bool kRecompute = kLstm || kGru;
+  const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B, nnz = d.nnz;
   const int64_t per_group = B / groups;
   const RowKernels kern = row_kernels(B);
   detail::StepPlan plan(io.lengths, B, T, reverse);
-
-  std::vector<float> values_storage;
-  const float* vals = detail::float_values(io.values, nnz, values_storage);
-  const int32_t* col = io.col_idx;
+  const std::vector<Nz> nz = detail::pack_nonzeros(io.values, io.col_idx, nnz, B);
   const int32_t* rp = io.row_ptr;
 
   // dh / dc: gradient of the state after the current step (carried backwards in time).
-  std::vector<float> dh(H * B), dh_acc(H * B), hprev(H * B), dc, cprev, b_hn, db_hn;
-  std::vector<float> hw(G * B), dpre(G * B);
+  std::vector<float> dh(HB), dh_new(HB), dh_acc(HB), hprev(HB), dy(HB);
+  std::vector<float> x(G * HB), hw, dpre(G * HB), dx_gru, y, dc, dc_new, cprev, bias, db_hn;
   std::vector<float> dv(static_cast<size_t>(groups * nnz), 0.0f);
   detail::load_transposed(io.dhT, B, H, dh.data());
-  if constexpr (kCell == Cell::kLstm) {
-    dc.resize(H * B);
-    cprev.resize(H * B);
+  if constexpr (kRecompute) hw.resize(G * HB);
+  if constexpr (kLstm) {
+    dc.resize(HB);
+    dc_new.resize(HB);
+    cprev.resize(HB);
     detail::load_transposed(io.dcT, B, H, dc.data());
   }
-  if constexpr (kCell == Cell::kGru) {
-    b_hn = detail::to_float_vec(io.b_hn, H);
+  if constexpr (kGru) {
+    dx_gru.resize(G * HB);
+    bias.resize(HB);
+    for (int64_t i = 0; i < HB; ++i) bias[i] = to_float(io.b_hn[i / B]);
     db_hn.assign(static_cast<size_t>(groups * H), 0.0f);
   }
+  if constexpr (!kRecompute) y.resize(HB);
   detail::zero_invalid(io.dxp, plan.len, T, B, GH);
 
   for (int64_t s = plan.steps - 1; s >= 0; --s) {
     plan.at(s);
-    // State before the step: the initial carry at the first step, else the neighbour's output.
     for (int64_t b = 0; b < B; ++b) {
       if (!plan.active[b]) {
-        for (int64_t u = 0; u < H; ++u) hprev[u * B + b] = 0.0f;
+        detail::zero_row(1, H, B, b, hprev.data());
+        detail::zero_row(G, H, B, b, x.data());
+        detail::zero_row(1, H, B, b, dy.data());
+        if constexpr (kLstm) detail::zero_row(1, H, B, b, cprev.data());
+        if constexpr (!kRecompute) detail::zero_row(1, H, B, b, y.data());
         continue;
       }
-      const int64_t tp = reverse ? plan.t[b] + 1 : plan.t[b] - 1;
-      const S* hsrc = s == 0 ? io.h0 + b * H : io.ys + (tp * B + b) * H;
-      for (int64_t u = 0; u < H; ++u) hprev[u * B + b] = to_float(hsrc[u]);
-      if constexpr (kCell == Cell::kLstm) {
-        const S* csrc = s == 0 ? io.c0 + b * H : io.cs + (tp * B + b) * H;
-        for (int64_t u = 0; u < H; ++u) cprev[u * B + b] = to_float(csrc[u]);
+      const int64_t row = plan.t[b] * B + b;
+      const int64_t prev = (reverse ? plan.t[b] + 1 : plan.t[b] - 1) * B + b;
+      detail::gather_row(s == 0 ? io.h0 + b * H : io.ys + prev * H, 1, H, B, b, hprev.data());
+      if constexpr (kLstm)
+        detail::gather_row(s == 0 ? io.c0 + b * H : io.cs + prev * H, 1, H, B, b, cprev.data());
+      detail::gather_row(io.xp + row * GH, G, H, B, b, x.data());
+      detail::gather_row(io.dys + row * H, 1, H, B, b, dy.data());
+      if constexpr (!kRecompute) detail::gather_row(io.ys + row * H, 1, H, B, b, y.data());
+    }
+    if constexpr (kRecompute) {
+      for (int64_t u = 0; u < H; ++u) {
+        for (int g = 0; g < G; ++g) {
+          const int64_t r = u * G + g;
+          kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), static_cast<int>(B),
+                    hw.data() + g * HB + u * B);
+        }
+      }
+    }
+    // The cell's derivative for every (u, b); dh_new gets the direct part of dh_prev.
+    detail::cell_backward<kCell>(HB, x.data(), kRecompute ? hw.data() : nullptr, hprev.data(),
+                                 kLstm ? cprev.data() : nullptr, kGru ? bias.data() : nullptr,
+                                 kRecompute ? nullptr : y.data(), dh.data(), dy.data(),
+                                 kLstm ? dc.data() : nullptr, dpre.data(),
+                                 kGru ? dx_gru.data() : nullptr, dh_new.data(),
+                                 kLstm ? dc_new.data() : nullptr);
+    for (int64_t b = 0; b < B; ++b) {
+      if (!plan.active[b]) {  // no step: no pre-activation gradient, dh / dc pass through
+        detail::zero_row(G, H, B, b, dpre.data());
+        for (int64_t u = 0; u < H; ++u) dh_new[u * B + b] = dh[u * B + b];
+        if constexpr (kLstm)
+          for (int64_t u = 0; u < H; ++u) dc_new[u * B + b] = dc[u * B + b];
+        continue;
+      }
+      const int64_t row = plan.t[b] * B + b;
+      detail::scatter_row(kGru ? dx_gru.data() : dpre.data(), G, H, B, b, io.dxp + row * GH);
+      if constexpr (kGru) {
+        float* dbg = db_hn.data() + (b / per_group) * H;
+        for (int64_t u = 0; u < H; ++u) dbg[u] += dpre[2 * HB + u * B + b];
       }
     }
     std::fill(dh_acc.begin(), dh_acc.end(), 0.0f);
-
     for (int64_t u = 0; u < H; ++u) {
-      if constexpr (kRecompute) {
-        for (int g = 0; g < G; ++g) {
-          const int64_t r = u * G + g;
-          kern.gemv(vals + rp[r], col + rp[r], rp[r + 1] - rp[r], hprev.data(),
-                    static_cast<int>(B), hw.data() + g * B);
-        }
-      }
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t ub = u * B + b;
-        if (!plan.active[b]) {  // no step: dh / dc pass through unchanged
-          for (int g = 0; g < G; ++g) dpre[g * B + b] = 0.0f;
-          continue;
-        }
-        const int64_t row = plan.t[b] * B + b;
-        const float dht = dh[ub] + to_float(io.dys[row * H + u]);
-        S* dx = io.dxp + row * GH;
-        if constexpr (kCell == Cell::kLstm) {
-          const S* x = io.xp + row * GH;
-          float p[4], dp[4];
-          for (int g = 0; g < 4; ++g) p[g] = to_float(x[g * H + u]) + hw[g * B + b];
-          dc[ub] = lstm_step_grad(p, cprev[ub], dht, dc[ub], dp);
-          for (int g = 0; g < 4; ++g) {
-            dpre[g * B + b] = dp[g];
-            dx[g * H + u] = from_float<S>(dp[g]);
-          }
-          dh[ub] = 0.0f;
-        } else if constexpr (kCell == Cell::kGru) {
-          const S* x = io.xp + row * GH;
-          float xv[3], hv[3], dxv[3], dhw[3];
-          for (int g = 0; g < 3; ++g) {
-            xv[g] = to_float(x[g * H + u]);
-            hv[g] = hw[g * B + b];
-          }
-          dh[ub] = gru_step_grad(xv, hv, b_hn[u], hprev[ub], dht, dxv, dhw);
-          for (int g = 0; g < 3; ++g) {
-            dpre[g * B + b] = dhw[g];
-            dx[g * H + u] = from_float<S>(dxv[g]);
-          }
-          db_hn[(b / per_group) * H + u] += dhw[2];
-        } else {
-          const float dp = rnn_step_grad<kCell>(to_float(io.ys[row * H + u]), dht);
-          dpre[b] = dp;
-          dx[u] = from_float<S>(dp);
-          dh[ub] = 0.0f;
-        }
-      }
       for (int g = 0; g < G; ++g) {
-        const float* dg = dpre.data() + g * B;
+        const float* dg = dpre.data() + g * HB + u * B;
         bool any = false;
         for (int64_t b = 0; b < B; ++b) any |= dg[b] != 0.0f;
         if (!any) continue;
         const int64_t r = u * G + g;
-        kern.bwd(vals + rp[r], col + rp[r], rp[r + 1] - rp[r], hprev.data(), dg,
-                 static_cast<int>(B), static_cast<int>(groups), nnz, dh_acc.data(),
-                 dv.data() + rp[r]);
+        kern.bwd(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), dg, static_cast<int>(B),
+                 static_cast<int>(groups), nnz, dh_acc.data(), dv.data() + rp[r]);
       }
     }
-    // dh now holds the direct terms (or the untouched gradient of inactive rows, whose
-    // dh_acc entries are zero): add the part through the recurrent weights.
-    for (int64_t i = 0; i < H * B; ++i) dh[i] += dh_acc[i];
+    for (int64_t i = 0; i < HB; ++i) dh[i] = dh_new[i] + dh_acc[i];
+    if constexpr (kLstm) dc.swap(dc_new);
   }
 
   detail::store_transposed(dh.data(), B, H, io.dh0);
-  if constexpr (kCell == Cell::kLstm) detail::store_transposed(dc.data(), B, H, io.dc0);
+  if constexpr (kLstm) detail::store_transposed(dc.data(), B, H, io.dc0);
   for (int64_t i = 0; i < groups * nnz; ++i) io.dvalues[i] = from_float<S>(dv[i]);
-  if constexpr (kCell == Cell::kGru)
+  if constexpr (kGru)
     for (int64_t i = 0; i < groups * H; ++i) io.db_hn[i] = from_float<S>(db_hn[i]);
 }
 
