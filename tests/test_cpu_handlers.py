@@ -235,6 +235,26 @@ def case_id(c):
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_forward_and_backward(case):
+    check_case(case)
+
+
+# Several threads split the hidden units (the handlers only start them for large problems on
+# their own; SPRNN_CPU_THREADS forces them). 3 threads: uneven ranges, one may own no rows.
+THREADED = [
+    ("rnn", 0, 6, 4, 40, 0.3, "f32", True, "mixed", 2, True),
+    ("lstm", 0, 5, 3, 23, 0.4, "f32", False, "mixed", 1, True),
+    ("gru", 0, 5, 4, 17, 0.3, "bf16", True, "mixed", 2, False),
+    ("lstm", 0, 3, 2, 2, 1.0, "f32", True, "mixed", 1, False),
+]
+
+
+@pytest.mark.parametrize("case", THREADED, ids=[case_id(c) for c in THREADED])
+def test_threads(case, monkeypatch):
+    monkeypatch.setenv("SPRNN_CPU_THREADS", "3")
+    check_case(case)
+
+
+def check_case(case):
     cell, act, T, B, H, density, dt, reverse, lens, groups, empty = case
     p = make_problem(cell, T, B, H, density, DTYPES[dt], seed=zlib.crc32(case_id(case).encode()),
                      lengths=lens, empty_rows=empty)

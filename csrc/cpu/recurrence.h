@@ -16,6 +16,7 @@
 #include "common/cells.h"
 #include "cpu/fast_math.h"
 #include "cpu/float_convert.h"
+#include "cpu/team.h"
 
 namespace sprnn::cpu {
 
@@ -30,6 +31,12 @@ struct Nz {
 
 #define SPRNN_CPU_INLINE inline __attribute__((always_inline))
 
+// (A B=8 vector is 32 bytes: without AVX, GCC warns that passing it by value would use a
+// different ABI. These helpers are always inlined, so no ABI is involved.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 // B floats as one GCC/Clang vector-extension value (kB a power of two): one B-wide
 // multiply-add per nonzero, without relying on the auto-vectorizer (which, left alone,
 // vectorizes these loops across nonzeros with shuffles instead of across the batch).
@@ -41,12 +48,12 @@ struct BatchVec {
     std::memcpy(&v, p, sizeof(v));
     return v;
   }
-  static SPRNN_CPU_INLINE void store(float* p, type v) { std::memcpy(p, &v, sizeof(v)); }
+  static SPRNN_CPU_INLINE void store(float* p, const type& v) { std::memcpy(p, &v, sizeof(v)); }
 };
 
 // out[b] = sum_k v[k] * h[col[k] * B + b] over one packed row of n nonzeros.
 template <int kB>
-void row_gemv(const Nz* __restrict nz, int64_t n, const float* __restrict h, int B,
+SPRNN_CPU_INLINE void row_gemv_body(const Nz* __restrict nz, int64_t n, const float* __restrict h, int B,
               float* __restrict out) {
   if constexpr (kB > 0) {
     using V = BatchVec<kB>;
@@ -77,7 +84,7 @@ void row_gemv(const Nz* __restrict nz, int64_t n, const float* __restrict h, int
 //   dv[g * nnz + k] += sum_{b in group g} d[b] * hprev[col[k] * B + b]   (weight gradient)
 // dv points at the row's first nonzero in group 0; batch row b belongs to group b / (B/groups).
 template <int kB>
-void row_bwd(const Nz* __restrict nz, int64_t n, const float* __restrict hprev,
+SPRNN_CPU_INLINE void row_bwd_body(const Nz* __restrict nz, int64_t n, const float* __restrict hprev,
              const float* __restrict d_in, int B, int groups, int64_t nnz,
              float* __restrict dh_acc, float* __restrict dv) {
   if constexpr (kB > 0) {
@@ -117,18 +124,53 @@ void row_bwd(const Nz* __restrict nz, int64_t n, const float* __restrict hprev,
   }
 }
 
+
+// The row kernels as called: a baseline build (SSE2 on x86-64) and, on x86-64 with GCC or
+// Clang, an AVX2+FMA build of the same code, picked at run time (broadcast-from-memory and
+// fused multiply-add halve the instructions per nonzero). The package itself is compiled for
+// the baseline, so it still runs on any x86-64.
+#define SPRNN_ROW_KERNELS(SUFFIX, ATTR)                                                       \
+  template <int kB>                                                                          \
+  ATTR void row_gemv##SUFFIX(const Nz* __restrict nz, int64_t n, const float* __restrict h, \
+                             int B, float* __restrict out) {                                 \
+    row_gemv_body<kB>(nz, n, h, B, out);                                                     \
+  }                                                                                          \
+  template <int kB>                                                                          \
+  ATTR void row_bwd##SUFFIX(const Nz* __restrict nz, int64_t n,                              \
+                            const float* __restrict hprev, const float* __restrict d_in,     \
+                            int B, int groups, int64_t nnz, float* __restrict dh_acc,        \
+                            float* __restrict dv) {                                          \
+    row_bwd_body<kB>(nz, n, hprev, d_in, B, groups, nnz, dh_acc, dv);                        \
+  }
+
+SPRNN_ROW_KERNELS(_base, )
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SPRNN_CPU_HAVE_AVX2_KERNELS 1
+SPRNN_ROW_KERNELS(_avx2, __attribute__((target("avx2,fma"))))
+#endif
+#undef SPRNN_ROW_KERNELS
+
 struct RowKernels {
-  decltype(&row_gemv<0>) gemv;
-  decltype(&row_bwd<0>) bwd;
+  decltype(&row_gemv_base<0>) gemv;
+  decltype(&row_bwd_base<0>) bwd;
 };
+
+template <int kB>
+RowKernels row_kernels_for() {
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return {&row_gemv_avx2<kB>, &row_bwd_avx2<kB>};
+#endif
+  return {&row_gemv_base<kB>, &row_bwd_base<kB>};
+}
 
 inline RowKernels row_kernels(int64_t B) {
   switch (B) {
-    case 1: return {&row_gemv<1>, &row_bwd<1>};
-    case 2: return {&row_gemv<2>, &row_bwd<2>};
-    case 4: return {&row_gemv<4>, &row_bwd<4>};
-    case 8: return {&row_gemv<8>, &row_bwd<8>};
-    default: return {&row_gemv<0>, &row_bwd<0>};
+    case 1: return row_kernels_for<1>();
+    case 2: return row_kernels_for<2>();
+    case 4: return row_kernels_for<4>();
+    case 8: return row_kernels_for<8>();
+    default: return row_kernels_for<0>();
   }
 }
 
@@ -200,20 +242,24 @@ void store_transposed(const float* src, int64_t B, int64_t H, S* dst) {
     for (int64_t u = 0; u < H; ++u) dst[b * H + u] = from_float<S>(src[u * B + b]);
 }
 
-// Batch row b of a time step, row[g * H + u] (n gate blocks of H), into the gate-major,
-// batch-contiguous step buffer dst[g * H * B + u * B + b]; and back.
+// Units [u0, u1) of batch row b of a time step, row[g * H + u] (n gate blocks of H), into the
+// gate-major, batch-contiguous step buffer dst[(g * H + u) * B + b]; and back.
 template <typename S>
-void gather_row(const S* row, int64_t n, int64_t H, int64_t B, int64_t b, float* dst) {
+void gather_row(const S* row, int64_t n, int64_t H, int64_t B, int64_t b, int64_t u0,
+                int64_t u1, float* dst) {
   for (int64_t g = 0; g < n; ++g)
-    for (int64_t u = 0; u < H; ++u) dst[(g * H + u) * B + b] = to_float(row[g * H + u]);
+    for (int64_t u = u0; u < u1; ++u) dst[(g * H + u) * B + b] = to_float(row[g * H + u]);
 }
-inline void zero_row(int64_t n, int64_t H, int64_t B, int64_t b, float* dst) {
-  for (int64_t i = 0; i < n * H; ++i) dst[i * B + b] = 0.0f;
+inline void zero_row(int64_t n, int64_t H, int64_t B, int64_t b, int64_t u0, int64_t u1,
+                     float* dst) {
+  for (int64_t g = 0; g < n; ++g)
+    for (int64_t u = u0; u < u1; ++u) dst[(g * H + u) * B + b] = 0.0f;
 }
 template <typename S>
-void scatter_row(const float* src, int64_t n, int64_t H, int64_t B, int64_t b, S* row) {
+void scatter_row(const float* src, int64_t n, int64_t H, int64_t B, int64_t b, int64_t u0,
+                 int64_t u1, S* row) {
   for (int64_t g = 0; g < n; ++g)
-    for (int64_t u = 0; u < H; ++u) row[g * H + u] = from_float<S>(src[(g * H + u) * B + b]);
+    for (int64_t u = u0; u < u1; ++u) row[g * H + u] = from_float<S>(src[(g * H + u) * B + b]);
 }
 
 // Zeroes out[t, b, :] (row width w) for the invalid steps t >= len[b].
@@ -254,17 +300,18 @@ struct StepPlan {
 }  // namespace detail
 
 // ---- the cell over a whole step -------------------------------------------------------------
-// Flat loops over the H*B entries of a step; the per-gate inputs are gate-major blocks of HB.
+// Flat loops over n entries (u, b) of a step; the per-gate inputs are gate-major blocks, HB
+// floats apart.
 // Separate functions with restrict parameters, so that GCC vectorizes them.
 
 namespace detail {
 
 template <Cell kCell>
-void cell_forward(int64_t HB, const float* __restrict xs, const float* __restrict ps,
+void cell_forward(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict ps,
                   const float* __restrict hs, const float* __restrict bias,
                   const float* __restrict cs, float* __restrict hn, float* __restrict cn) {
   if constexpr (kCell == Cell::kLstm) {
-    for (int64_t i = 0; i < HB; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       float p[4];
       for (int g = 0; g < 4; ++g) p[g] = xs[g * HB + i] + ps[g * HB + i];
       float c = cs[i];
@@ -272,7 +319,7 @@ void cell_forward(int64_t HB, const float* __restrict xs, const float* __restric
       cn[i] = c;
     }
   } else if constexpr (kCell == Cell::kGru) {
-    for (int64_t i = 0; i < HB; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       float xv[3], hw[3];
       for (int g = 0; g < 3; ++g) {
         xv[g] = xs[g * HB + i];
@@ -281,21 +328,21 @@ void cell_forward(int64_t HB, const float* __restrict xs, const float* __restric
       hn[i] = gru_step<FastMath>(xv, hw, bias[i], hs[i]);
     }
   } else {
-    for (int64_t i = 0; i < HB; ++i) hn[i] = rnn_step<kCell, FastMath>(xs[i], ps[i]);
+    for (int64_t i = 0; i < n; ++i) hn[i] = rnn_step<kCell, FastMath>(xs[i], ps[i]);
   }
 }
 
 // dp: gradient of the pre-activations (what goes through the weights), dxg: of xp (gru only;
 // for rnn / lstm it equals dp), dhn: the direct part of dh_prev, dcn: dc_prev (lstm).
 template <Cell kCell>
-void cell_backward(int64_t HB, const float* __restrict xs, const float* __restrict hws,
+void cell_backward(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict hws,
                    const float* __restrict hp, const float* __restrict cp,
                    const float* __restrict bias, const float* __restrict ys,
                    const float* __restrict dhs, const float* __restrict dys,
                    const float* __restrict dcs, float* __restrict dp, float* __restrict dxg,
                    float* __restrict dhn, float* __restrict dcn) {
   if constexpr (kCell == Cell::kLstm) {
-    for (int64_t i = 0; i < HB; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       float p[4], g4[4];
       for (int g = 0; g < 4; ++g) p[g] = xs[g * HB + i] + hws[g * HB + i];
       dcn[i] = lstm_step_grad<FastMath>(p, cp[i], dhs[i] + dys[i], dcs[i], g4);
@@ -303,7 +350,7 @@ void cell_backward(int64_t HB, const float* __restrict xs, const float* __restri
       dhn[i] = 0.0f;
     }
   } else if constexpr (kCell == Cell::kGru) {
-    for (int64_t i = 0; i < HB; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       float xv[3], hv[3], dxv[3], dhw[3];
       for (int g = 0; g < 3; ++g) {
         xv[g] = xs[g * HB + i];
@@ -316,7 +363,7 @@ void cell_backward(int64_t HB, const float* __restrict xs, const float* __restri
       }
     }
   } else {
-    for (int64_t i = 0; i < HB; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       dp[i] = rnn_step_grad<kCell>(ys[i], dhs[i] + dys[i]);
       dhn[i] = 0.0f;
     }
@@ -328,9 +375,10 @@ void cell_backward(int64_t HB, const float* __restrict xs, const float* __restri
 // ---- forward -------------------------------------------------------------------------------
 //
 // Per step: gather xp_t into a gate-major batch-contiguous buffer x[g][u][b], run the sparse
-// rows into pre[g][u][b], then apply the cell to all H*B entries in one flat loop (which the
-// compiler vectorizes: the cell math is branch-free, see fast_math.h), and finally restore the
-// state of batch rows that have no step here and write ys / cs.
+// rows into pre[g][u][b], apply the cell to the entries in one flat loop (which the compiler
+// vectorizes: the cell math is branch-free, see fast_math.h), then restore the state of batch
+// rows that have no step here and write ys / cs. Each thread does this for its own units; the
+// next step needs all of them (barrier).
 
 template <typename S, Cell kCell>
 void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
@@ -339,68 +387,82 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   constexpr bool kGru = kCell == Cell::kGru;
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
-  detail::StepPlan plan(io.lengths, B, T, reverse);
+  const detail::StepPlan plan0(io.lengths, B, T, reverse);
   const std::vector<Nz> nz = detail::pack_nonzeros(io.values, io.col_idx, d.nnz, B);
   const int32_t* rp = io.row_ptr;
 
-  std::vector<float> h(HB), h_next(HB), x(G * HB), pre(G * HB), c, c_next, bias;
-  detail::load_transposed(io.h0, B, H, h.data());
+  // Double-buffered state: step s reads buf[s % 2] and writes buf[(s + 1) % 2].
+  std::vector<float> h[2] = {std::vector<float>(HB), std::vector<float>(HB)};
+  std::vector<float> c[2], x(G * HB), pre(G * HB), bias;
+  detail::load_transposed(io.h0, B, H, h[0].data());
   if constexpr (kLstm) {
-    c.resize(HB);
-    c_next.resize(HB);
-    detail::load_transposed(io.c0, B, H, c.data());
+    c[0].resize(HB);
+    c[1].resize(HB);
+    detail::load_transposed(io.c0, B, H, c[0].data());
   }
   if constexpr (kGru) {
     bias.resize(HB);
     for (int64_t i = 0; i < HB; ++i) bias[i] = to_float(io.b_hn[i / B]);
   }
-  detail::zero_invalid(io.ys_out, plan.len, T, B, H);
-  if constexpr (kLstm) detail::zero_invalid(io.cs_out, plan.len, T, B, H);
+  detail::zero_invalid(io.ys_out, plan0.len, T, B, H);
+  if constexpr (kLstm) detail::zero_invalid(io.cs_out, plan0.len, T, B, H);
 
-  for (int64_t s = 0; s < plan.steps; ++s) {
-    plan.at(s);
-    for (int64_t b = 0; b < B; ++b) {
-      if (plan.active[b]) {
-        detail::gather_row(io.xp + (plan.t[b] * B + b) * GH, G, H, B, b, x.data());
-      } else {
-        detail::zero_row(G, H, B, b, x.data());
+  const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
+  run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
+    const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
+    const int64_t u0 = split[tid], u1 = split[tid + 1];
+    const int64_t i0 = u0 * B, n = (u1 - u0) * B;
+    detail::StepPlan plan = plan0;
+    for (int64_t s = 0; s < plan.steps; ++s) {
+      plan.at(s);
+      const float* hc = h[s % 2].data();
+      float* hn = h[(s + 1) % 2].data();
+      const float* cc = kLstm ? c[s % 2].data() : nullptr;
+      float* cn = kLstm ? c[(s + 1) % 2].data() : nullptr;
+      for (int64_t b = 0; b < B; ++b) {
+        if (plan.active[b]) {
+          detail::gather_row(io.xp + (plan.t[b] * B + b) * GH, G, H, B, b, u0, u1, x.data());
+        } else {
+          detail::zero_row(G, H, B, b, u0, u1, x.data());
+        }
       }
-    }
-    for (int64_t u = 0; u < H; ++u) {
-      for (int g = 0; g < G; ++g) {
-        const int64_t r = u * G + g;
-        kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], h.data(), static_cast<int>(B),
-                  pre.data() + g * HB + u * B);
+      for (int64_t u = u0; u < u1; ++u) {
+        for (int g = 0; g < G; ++g) {
+          const int64_t r = u * G + g;
+          kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], hc, static_cast<int>(B),
+                    pre.data() + g * HB + u * B);
+        }
       }
-    }
-    detail::cell_forward<kCell>(HB, x.data(), pre.data(), h.data(), kGru ? bias.data() : nullptr,
-                                kLstm ? c.data() : nullptr, h_next.data(),
-                                kLstm ? c_next.data() : nullptr);
-    for (int64_t b = 0; b < B; ++b) {
-      if (!plan.active[b]) {  // no step for this row: the state stays
-        for (int64_t u = 0; u < H; ++u) h_next[u * B + b] = h[u * B + b];
-        if constexpr (kLstm)
-          for (int64_t u = 0; u < H; ++u) c_next[u * B + b] = c[u * B + b];
-        continue;
+      detail::cell_forward<kCell>(n, HB, x.data() + i0, pre.data() + i0, hc + i0,
+                                  kGru ? bias.data() + i0 : nullptr, kLstm ? cc + i0 : nullptr,
+                                  hn + i0, kLstm ? cn + i0 : nullptr);
+      for (int64_t b = 0; b < B; ++b) {
+        if (!plan.active[b]) {  // no step for this row: the state stays
+          for (int64_t u = u0; u < u1; ++u) hn[u * B + b] = hc[u * B + b];
+          if constexpr (kLstm)
+            for (int64_t u = u0; u < u1; ++u) cn[u * B + b] = cc[u * B + b];
+          continue;
+        }
+        const int64_t row = plan.t[b] * B + b;
+        detail::scatter_row(hn, 1, H, B, b, u0, u1, io.ys_out + row * H);
+        if constexpr (kLstm) detail::scatter_row(cn, 1, H, B, b, u0, u1, io.cs_out + row * H);
       }
-      const int64_t row = plan.t[b] * B + b;
-      detail::scatter_row(h_next.data(), 1, H, B, b, io.ys_out + row * H);
-      if constexpr (kLstm) detail::scatter_row(c_next.data(), 1, H, B, b, io.cs_out + row * H);
+      barrier.wait();
     }
-    h.swap(h_next);
-    if constexpr (kLstm) c.swap(c_next);
-  }
-  detail::store_transposed(h.data(), B, H, io.hT);
-  if constexpr (kLstm) detail::store_transposed(c.data(), B, H, io.cT);
+  });
+  const int64_t last = plan0.steps % 2;
+  detail::store_transposed(h[last].data(), B, H, io.hT);
+  if constexpr (kLstm) detail::store_transposed(c[last].data(), B, H, io.cT);
 }
 
 // ---- backward ------------------------------------------------------------------------------
 //
 // Reverse-time BPTT. Per step (latest first): gather the state before the step (h0 / c0 or the
 // neighbouring ys / cs), xp_t and dys_t into batch-contiguous buffers; for lstm / gru recompute
-// hw = h_prev W through the sparse rows; apply the cell's derivative to all H*B entries in one
-// flat loop; then, per sparse row, scatter dpre back through the weights into dh_prev and
-// accumulate the weight gradient.
+// hw = h_prev W through the sparse rows; apply the cell's derivative in one flat loop; then,
+// per sparse row, scatter dpre back through the weights into dh_prev and accumulate the weight
+// gradient. Threads own unit ranges (and so the rows, weight gradients and db_hn entries of
+// those units); each scatters into its own dh accumulator, summed after a barrier.
 
 template <typename S, Cell kCell>
 void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) {
@@ -411,12 +473,12 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B, nnz = d.nnz;
   const int64_t per_group = B / groups;
   const RowKernels kern = row_kernels(B);
-  detail::StepPlan plan(io.lengths, B, T, reverse);
+  const detail::StepPlan plan0(io.lengths, B, T, reverse);
   const std::vector<Nz> nz = detail::pack_nonzeros(io.values, io.col_idx, nnz, B);
   const int32_t* rp = io.row_ptr;
 
   // dh / dc: gradient of the state after the current step (carried backwards in time).
-  std::vector<float> dh(HB), dh_new(HB), dh_acc(HB), hprev(HB), dy(HB);
+  std::vector<float> dh(HB), dh_new(HB), hprev(HB), dy(HB);
   std::vector<float> x(G * HB), hw, dpre(G * HB), dx_gru, y, dc, dc_new, cprev, bias, db_hn;
   std::vector<float> dv(static_cast<size_t>(groups * nnz), 0.0f);
   detail::load_transposed(io.dhT, B, H, dh.data());
@@ -434,74 +496,93 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
     db_hn.assign(static_cast<size_t>(groups * H), 0.0f);
   }
   if constexpr (!kRecompute) y.resize(HB);
-  detail::zero_invalid(io.dxp, plan.len, T, B, GH);
+  detail::zero_invalid(io.dxp, plan0.len, T, B, GH);
 
-  for (int64_t s = plan.steps - 1; s >= 0; --s) {
-    plan.at(s);
-    for (int64_t b = 0; b < B; ++b) {
-      if (!plan.active[b]) {
-        detail::zero_row(1, H, B, b, hprev.data());
-        detail::zero_row(G, H, B, b, x.data());
-        detail::zero_row(1, H, B, b, dy.data());
-        if constexpr (kLstm) detail::zero_row(1, H, B, b, cprev.data());
-        if constexpr (!kRecompute) detail::zero_row(1, H, B, b, y.data());
-        continue;
+  const int want = plan0.steps > 0 ? choose_threads(nnz * B, H) : 1;
+  std::vector<std::vector<float>> dh_acc(want, std::vector<float>(HB));
+  run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
+    const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
+    const int64_t u0 = split[tid], u1 = split[tid + 1];
+    const int64_t i0 = u0 * B, i1 = u1 * B, n = i1 - i0;
+    float* acc = dh_acc[tid].data();
+    detail::StepPlan plan = plan0;
+    for (int64_t s = plan.steps - 1; s >= 0; --s) {
+      plan.at(s);
+      for (int64_t b = 0; b < B; ++b) {
+        if (!plan.active[b]) {
+          detail::zero_row(1, H, B, b, u0, u1, hprev.data());
+          detail::zero_row(G, H, B, b, u0, u1, x.data());
+          detail::zero_row(1, H, B, b, u0, u1, dy.data());
+          if constexpr (kLstm) detail::zero_row(1, H, B, b, u0, u1, cprev.data());
+          if constexpr (!kRecompute) detail::zero_row(1, H, B, b, u0, u1, y.data());
+          continue;
+        }
+        const int64_t row = plan.t[b] * B + b;
+        const int64_t prev = (reverse ? plan.t[b] + 1 : plan.t[b] - 1) * B + b;
+        detail::gather_row(s == 0 ? io.h0 + b * H : io.ys + prev * H, 1, H, B, b, u0, u1,
+                           hprev.data());
+        if constexpr (kLstm)
+          detail::gather_row(s == 0 ? io.c0 + b * H : io.cs + prev * H, 1, H, B, b, u0, u1,
+                             cprev.data());
+        detail::gather_row(io.xp + row * GH, G, H, B, b, u0, u1, x.data());
+        detail::gather_row(io.dys + row * H, 1, H, B, b, u0, u1, dy.data());
+        if constexpr (!kRecompute)
+          detail::gather_row(io.ys + row * H, 1, H, B, b, u0, u1, y.data());
       }
-      const int64_t row = plan.t[b] * B + b;
-      const int64_t prev = (reverse ? plan.t[b] + 1 : plan.t[b] - 1) * B + b;
-      detail::gather_row(s == 0 ? io.h0 + b * H : io.ys + prev * H, 1, H, B, b, hprev.data());
-      if constexpr (kLstm)
-        detail::gather_row(s == 0 ? io.c0 + b * H : io.cs + prev * H, 1, H, B, b, cprev.data());
-      detail::gather_row(io.xp + row * GH, G, H, B, b, x.data());
-      detail::gather_row(io.dys + row * H, 1, H, B, b, dy.data());
-      if constexpr (!kRecompute) detail::gather_row(io.ys + row * H, 1, H, B, b, y.data());
-    }
-    if constexpr (kRecompute) {
-      for (int64_t u = 0; u < H; ++u) {
-        for (int g = 0; g < G; ++g) {
-          const int64_t r = u * G + g;
-          kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), static_cast<int>(B),
-                    hw.data() + g * HB + u * B);
+      barrier.wait();  // hprev complete: the rows below read all of it
+      if constexpr (kRecompute) {
+        for (int64_t u = u0; u < u1; ++u) {
+          for (int g = 0; g < G; ++g) {
+            const int64_t r = u * G + g;
+            kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), static_cast<int>(B),
+                      hw.data() + g * HB + u * B);
+          }
         }
       }
-    }
-    // The cell's derivative for every (u, b); dh_new gets the direct part of dh_prev.
-    detail::cell_backward<kCell>(HB, x.data(), kRecompute ? hw.data() : nullptr, hprev.data(),
-                                 kLstm ? cprev.data() : nullptr, kGru ? bias.data() : nullptr,
-                                 kRecompute ? nullptr : y.data(), dh.data(), dy.data(),
-                                 kLstm ? dc.data() : nullptr, dpre.data(),
-                                 kGru ? dx_gru.data() : nullptr, dh_new.data(),
-                                 kLstm ? dc_new.data() : nullptr);
-    for (int64_t b = 0; b < B; ++b) {
-      if (!plan.active[b]) {  // no step: no pre-activation gradient, dh / dc pass through
-        detail::zero_row(G, H, B, b, dpre.data());
-        for (int64_t u = 0; u < H; ++u) dh_new[u * B + b] = dh[u * B + b];
-        if constexpr (kLstm)
-          for (int64_t u = 0; u < H; ++u) dc_new[u * B + b] = dc[u * B + b];
-        continue;
+      // The cell's derivative; dh_new gets the direct part of dh_prev.
+      detail::cell_backward<kCell>(
+          n, HB, x.data() + i0, kRecompute ? hw.data() + i0 : nullptr, hprev.data() + i0,
+          kLstm ? cprev.data() + i0 : nullptr, kGru ? bias.data() + i0 : nullptr,
+          kRecompute ? nullptr : y.data() + i0, dh.data() + i0, dy.data() + i0,
+          kLstm ? dc.data() + i0 : nullptr, dpre.data() + i0, kGru ? dx_gru.data() + i0 : nullptr,
+          dh_new.data() + i0, kLstm ? dc_new.data() + i0 : nullptr);
+      for (int64_t b = 0; b < B; ++b) {
+        if (!plan.active[b]) {  // no step: no pre-activation gradient, dh / dc pass through
+          detail::zero_row(G, H, B, b, u0, u1, dpre.data());
+          for (int64_t u = u0; u < u1; ++u) dh_new[u * B + b] = dh[u * B + b];
+          if constexpr (kLstm)
+            for (int64_t u = u0; u < u1; ++u) dc_new[u * B + b] = dc[u * B + b];
+          continue;
+        }
+        const int64_t row = plan.t[b] * B + b;
+        detail::scatter_row(kGru ? dx_gru.data() : dpre.data(), G, H, B, b, u0, u1,
+                            io.dxp + row * GH);
+        if constexpr (kGru) {
+          float* dbg = db_hn.data() + (b / per_group) * H;
+          for (int64_t u = u0; u < u1; ++u) dbg[u] += dpre[2 * HB + u * B + b];
+        }
       }
-      const int64_t row = plan.t[b] * B + b;
-      detail::scatter_row(kGru ? dx_gru.data() : dpre.data(), G, H, B, b, io.dxp + row * GH);
-      if constexpr (kGru) {
-        float* dbg = db_hn.data() + (b / per_group) * H;
-        for (int64_t u = 0; u < H; ++u) dbg[u] += dpre[2 * HB + u * B + b];
+      if constexpr (kLstm) std::copy(dc_new.begin() + i0, dc_new.begin() + i1, dc.begin() + i0);
+      std::fill(acc, acc + HB, 0.0f);
+      for (int64_t u = u0; u < u1; ++u) {
+        for (int g = 0; g < G; ++g) {
+          const float* dg = dpre.data() + g * HB + u * B;
+          bool any = false;
+          for (int64_t b = 0; b < B; ++b) any |= dg[b] != 0.0f;
+          if (!any) continue;
+          const int64_t r = u * G + g;
+          kern.bwd(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), dg, static_cast<int>(B),
+                   static_cast<int>(groups), nnz, acc, dv.data() + rp[r]);
+        }
+      }
+      barrier.wait();  // all accumulators complete
+      for (int64_t i = i0; i < i1; ++i) {
+        float sum = dh_new[i];
+        for (int t = 0; t < nthreads; ++t) sum += dh_acc[t][i];
+        dh[i] = sum;
       }
     }
-    std::fill(dh_acc.begin(), dh_acc.end(), 0.0f);
-    for (int64_t u = 0; u < H; ++u) {
-      for (int g = 0; g < G; ++g) {
-        const float* dg = dpre.data() + g * HB + u * B;
-        bool any = false;
-        for (int64_t b = 0; b < B; ++b) any |= dg[b] != 0.0f;
-        if (!any) continue;
-        const int64_t r = u * G + g;
-        kern.bwd(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), dg, static_cast<int>(B),
-                 static_cast<int>(groups), nnz, dh_acc.data(), dv.data() + rp[r]);
-      }
-    }
-    for (int64_t i = 0; i < HB; ++i) dh[i] = dh_new[i] + dh_acc[i];
-    if constexpr (kLstm) dc.swap(dc_new);
-  }
+  });
 
   detail::store_transposed(dh.data(), B, H, io.dh0);
   if constexpr (kLstm) detail::store_transposed(dc.data(), B, H, io.dc0);
