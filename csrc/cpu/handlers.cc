@@ -7,6 +7,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <climits>
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
@@ -162,6 +163,10 @@ ffi::Error validate(const char* target, Cell cell, const Call& c, int64_t groups
   if (c.dvalues.present && (groups < 1 || B % groups != 0)) {
     v.fail("groups = " + std::to_string(groups) + " must be >= 1 and divide the batch B = " +
            std::to_string(B));
+    return v.result();
+  }
+  if (H * B > INT32_MAX) {  // the kernels keep col * B in int32
+    v.fail("H * B = " + std::to_string(H * B) + " is too large for the CPU handlers");
     return v.result();
   }
   // The packed layout's contents: everything the loops index with.
