@@ -702,7 +702,9 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
     }
   }
 
-  // Padding steps after the longest sequence, and the final carry.
+  // Padding steps after the longest sequence, and the final carry (hst/cst were written by
+  // the cell-update threads: barrier first).
+  __syncthreads();
   const long long pad_n = static_cast<long long>(nT - lmax) * B * nu;
   for (long long i = tid; i < pad_n; i += nthr) {
     const int ul = static_cast<int>(i % nu);

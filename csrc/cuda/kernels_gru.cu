@@ -1,0 +1,15 @@
+// Instantiations of the gru kernels (persistent and per-step fallback).
+#include "cuda/launch.cuh"
+
+namespace sprnn::cuda {
+
+KernelFn pick_persistent_gru(int dtype, int bt, bool wide) {
+  return persistent_kernel<Cell::kGru>(dtype, bt, wide);
+}
+
+cudaError_t run_steps_gru(int dtype, const Params& p, float* hbuf, float* cbuf,
+                             cudaStream_t s) {
+  return run_steps<Cell::kGru>(dtype, p, hbuf, cbuf, s);
+}
+
+}  // namespace sprnn::cuda
