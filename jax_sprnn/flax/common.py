@@ -252,14 +252,3 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
         ys = flip_sequences(ys, lengths, time_axis=0)
     carry = jax.tree_util.tree_map(lambda c: _unflat_batch(c, layout), carry)
     return carry, from_time_major(ys, layout)
-
-
-def carry_shape(cell: str, input_shape, hidden: int):
-    """Shapes of the carry for an input of shape ``(*batch, I)`` (one step), as Flax's cells."""
-    shape = tuple(input_shape[:-1]) + (hidden,)
-    return (shape, shape) if cell == "lstm" else shape
-
-
-def merge_concat(a, b):
-    return jnp.concatenate([a, b], axis=-1)
-
