@@ -68,7 +68,7 @@ def check_against_oracle(cell, p, lengths, reverse, activation="tanh", implement
         assert np.all(np.asarray(ys, np.float32)[pad] == 0)
 
 
-@pytest.mark.parametrize("cell,dtype,shape,density,pattern,lengths_kind,reverse", _cases())
+@pytest.mark.parametrize("cell,dtype,shape,density,pattern,lengths_kind,reverse", list(_cases()))
 @pytest.mark.parametrize("implementation", ["auto", "reference"])
 def test_matches_oracle(cell, dtype, shape, density, pattern, lengths_kind, reverse,
                         implementation):
