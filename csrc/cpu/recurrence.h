@@ -155,11 +155,17 @@ struct RowKernels {
   decltype(&row_bwd_base<0>) bwd;
 };
 
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+inline bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
 template <int kB>
 RowKernels row_kernels_for() {
 #if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return {&row_gemv_avx2<kB>, &row_bwd_avx2<kB>};
+  if (cpu_has_avx2_fma()) return {&row_gemv_avx2<kB>, &row_bwd_avx2<kB>};
 #endif
   return {&row_gemv_base<kB>, &row_bwd_base<kB>};
 }
@@ -307,7 +313,7 @@ struct StepPlan {
 namespace detail {
 
 template <Cell kCell>
-void cell_forward(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict ps,
+SPRNN_CPU_INLINE void cell_forward_body(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict ps,
                   const float* __restrict hs, const float* __restrict bias,
                   const float* __restrict cs, float* __restrict hn, float* __restrict cn) {
   if constexpr (kCell == Cell::kLstm) {
@@ -335,7 +341,7 @@ void cell_forward(int64_t n, int64_t HB, const float* __restrict xs, const float
 // dp: gradient of the pre-activations (what goes through the weights), dxg: of xp (gru only;
 // for rnn / lstm it equals dp), dhn: the direct part of dh_prev, dcn: dc_prev (lstm).
 template <Cell kCell>
-void cell_backward(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict hws,
+SPRNN_CPU_INLINE void cell_backward_body(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict hws,
                    const float* __restrict hp, const float* __restrict cp,
                    const float* __restrict bias, const float* __restrict ys,
                    const float* __restrict dhs, const float* __restrict dys,
@@ -368,6 +374,39 @@ void cell_backward(int64_t n, int64_t HB, const float* __restrict xs, const floa
       dhn[i] = 0.0f;
     }
   }
+}
+
+// As the row kernels: a baseline and an AVX2+FMA build (8 lanes for the exp / tanh
+// polynomials), picked at run time.
+#define SPRNN_CELL_PASSES(SUFFIX, ATTR)                                                        \
+  template <Cell kCell, class... A>                                                           \
+  ATTR void cell_forward##SUFFIX(A... a) {                                                    \
+    cell_forward_body<kCell>(a...);                                                           \
+  }                                                                                           \
+  template <Cell kCell, class... A>                                                           \
+  ATTR void cell_backward##SUFFIX(A... a) {                                                   \
+    cell_backward_body<kCell>(a...);                                                          \
+  }
+SPRNN_CELL_PASSES(_base, )
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+SPRNN_CELL_PASSES(_avx2, __attribute__((target("avx2,fma"))))
+#endif
+#undef SPRNN_CELL_PASSES
+
+template <Cell kCell, class... A>
+void cell_forward(A... a) {
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+  if (cpu_has_avx2_fma()) return cell_forward_avx2<kCell>(a...);
+#endif
+  cell_forward_base<kCell>(a...);
+}
+
+template <Cell kCell, class... A>
+void cell_backward(A... a) {
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+  if (cpu_has_avx2_fma()) return cell_backward_avx2<kCell>(a...);
+#endif
+  cell_backward_base<kCell>(a...);
 }
 
 }  // namespace detail
