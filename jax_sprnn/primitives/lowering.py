@@ -8,6 +8,7 @@ to the C++ handler on CPU, the CUDA kernel on GPU, or the pure-JAX fallback.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 from jax._src import dispatch  # no public equivalent; see below
@@ -35,9 +36,18 @@ def _backward_cpu(ctx, *operands, cell, reverse, activation, groups):
         ctx, *operands, **_attributes(cell, reverse, activation, groups=groups))
 
 
+_warned_no_cuda: list = []
+
+
 def _forward_cuda(ctx, *operands, cell, **params):
     if cuda_lowering.available(cell):
         return cuda_lowering.forward_lowering(ctx, *operands, cell=cell, **params)
+    if not _warned_no_cuda:
+        _warned_no_cuda.append(True)
+        warnings.warn("jax_sprnn was built without its CUDA extension (nvcc was not found at "
+                      "build time): GPU calls run the pure-JAX lax.scan fallback. Rebuild with "
+                      "nvcc on PATH (see BUILD_NOTES.md) for the sparse persistent kernel.",
+                      RuntimeWarning, stacklevel=2)
     return mlir.lower_fun(functools.partial(jax_fallback.forward, cell=cell, **params),
                           multiple_results=True)(ctx, *operands)
 
