@@ -9,7 +9,20 @@ import numpy as np
 from jax_sprnn import reference, validation
 from jax_sprnn.weights import SparseWeights
 
+# "auto": the compiled handler of the platform, or the pure-JAX fallback (with a warning) where
+# none was built; "kernel": the compiled handler or an error; "reference": the dense lax.scan.
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
+
+
+def _require_compiled_kernel():
+    from jax_sprnn import _ffi  # noqa: PLC0415
+
+    backend = jax.default_backend()
+    targets = _ffi.CUDA_TARGETS if backend == "gpu" else _ffi.CPU_TARGETS
+    if backend not in ("cpu", "gpu") or not targets:
+        raise RuntimeError(f"implementation='kernel' needs jax_sprnn's compiled handler for the "
+                           f"{backend!r} backend, which this build does not have "
+                           "(see BUILD_NOTES.md)")
 
 
 def _as_array(x):
@@ -26,6 +39,8 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
     steps, batch, _ = xp.shape
     if steps == 0 or batch == 0:  # nothing to run: empty outputs, carry unchanged
         return jnp.zeros((steps, batch, w.hidden_size), xp.dtype), carry
+    if implementation == "kernel":
+        _require_compiled_kernel()
     if implementation == "reference":
         return reference.recurrence(cell, xp, carry, w.to_dense(), lengths, b_hn,
                                     reverse=bool(reverse), activation=activation)
