@@ -108,3 +108,16 @@ def test_stacked_weights_without_vmap():
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), w)
     with pytest.raises(ValueError, match="batch dimensions"):
         sp.rnn(f32(T, B, H), f32(B, H), stacked)
+
+
+def test_kernel_implementation_requires_compiled_handler(monkeypatch):
+    from jax_sprnn import _ffi
+
+    xp, h0, w = f32(T, B, H), f32(B, H), weights()
+    if jax.default_backend() == "cpu":
+        sp.rnn(xp, h0, w, implementation="kernel")  # built: runs
+        monkeypatch.setattr(_ffi, "CPU_TARGETS", frozenset())
+    else:
+        monkeypatch.setattr(_ffi, "CUDA_TARGETS", frozenset())
+    with pytest.raises(RuntimeError, match="compiled handler"):
+        sp.rnn(xp, h0, w, implementation="kernel")
