@@ -4,4 +4,4 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/setup_env.sh" examples
 cd "$repo"
-"$venv/bin/python" examples/quickstart.py "$@"
+"$venv/bin/python" examples/pruned_lm.py "$@"
