@@ -31,15 +31,20 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
     (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1) | tee "$OUT/test_all.log" | tail -15
   fi
 fi
+if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
+  REPO="$(pwd)"
+  (cd /tmp && timeout 200 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "float16-3 or bidirectional or vmap or timeout" 2>&1) | tee "$OUT/test_smoke.log" | tail -3
+fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   if [ "$MODE" = quick ]; then
     timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --tune --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
   else
-    timeout 420 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --batch --sweeps 2>&1 | tee "$OUT/bench.log" | tail -45
+    timeout 420 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --batch --sweeps --quick 2>&1 | tee "$OUT/bench.log" | tail -45
   fi
   if command -v ncu >/dev/null && [ "$MODE" != quick ]; then
     for v in 1 2 3; do
-      timeout 60 ncu --clock-control none -k regex:persistent_fwd -c 1 \
+      timeout 45 ncu --clock-control none -k regex:persistent_fwd -c 1 \
         --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__sass_inst_executed_op_shared_ld.sum \
         $PY benchmarks/bench_gpu.py --ncu-one $v > "$OUT/ncu_variant$v.txt" 2>&1
       grep -E "bank_conflicts|wavefronts|inst_executed" "$OUT/ncu_variant$v.txt" | sed "s/^/variant $v: /"

@@ -371,15 +371,30 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   return ffi::Error::Success();
 }
 
+// The workspace is the extra result the CUDA lowering appends (docs/INTERFACE.md). A direct
+// jax.ffi.ffi_call without it gets a clear error instead of undefined behaviour.
+ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> workspace_of(const char* target,
+                                                       const ffi::RemainingRets& rest) {
+  auto ws = rest.get<ffi::AnyBuffer>(0);
+  if (ws.has_error())
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(target) + " on CUDA needs the u8 workspace result that jax_sprnn's CUDA "
+        "lowering appends; call it through sp.rnn/lstm/gru (or the forward primitive), not a "
+        "bare jax.ffi.ffi_call"));
+  return ws;
+}
+
 ffi::Error rnn_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
                    ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
                    ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> ys,
-                   ffi::Result<ffi::AnyBuffer> hT, ffi::Result<ffi::AnyBuffer> ws, bool reverse,
+                   ffi::Result<ffi::AnyBuffer> hT, ffi::RemainingRets rest, bool reverse,
                    int64_t activation, int64_t variant) {
   if (activation != 0 && activation != 1)
     return ffi::Error::InvalidArgument("sprnn_rnn_fwd: activation must be 0 (tanh) or 1 (relu)");
   Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
-  return forward("sprnn_rnn_fwd", stream, Cell::kRnnTanh, in, &*ys, &*hT, nullptr, nullptr, &*ws,
+  auto ws = workspace_of("sprnn_rnn_fwd", rest);
+  if (ws.has_error()) return ws.error();
+  return forward("sprnn_rnn_fwd", stream, Cell::kRnnTanh, in, &*ys, &*hT, nullptr, nullptr, &*ws.value(),
                  reverse, activation, variant);
 }
 
@@ -387,22 +402,26 @@ ffi::Error lstm_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengt
                     ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
                     ffi::AnyBuffer c0, ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> ys,
                     ffi::Result<ffi::AnyBuffer> cT, ffi::Result<ffi::AnyBuffer> hT,
-                    ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> ws, bool reverse,
+                    ffi::Result<ffi::AnyBuffer> cs, ffi::RemainingRets rest, bool reverse,
                     int64_t variant) {
   Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
   in.c0 = &c0;
-  return forward("sprnn_lstm_fwd", stream, Cell::kLstm, in, &*ys, &*hT, &*cT, &*cs, &*ws, reverse,
+  auto ws = workspace_of("sprnn_lstm_fwd", rest);
+  if (ws.has_error()) return ws.error();
+  return forward("sprnn_lstm_fwd", stream, Cell::kLstm, in, &*ys, &*hT, &*cT, &*cs, &*ws.value(), reverse,
                  0, variant);
 }
 
 ffi::Error gru_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
                    ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
                    ffi::AnyBuffer h0, ffi::AnyBuffer b_hn, ffi::Result<ffi::AnyBuffer> ys,
-                   ffi::Result<ffi::AnyBuffer> hT, ffi::Result<ffi::AnyBuffer> ws, bool reverse,
+                   ffi::Result<ffi::AnyBuffer> hT, ffi::RemainingRets rest, bool reverse,
                    int64_t variant) {
   Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
   in.b_hn = &b_hn;
-  return forward("sprnn_gru_fwd", stream, Cell::kGru, in, &*ys, &*hT, nullptr, nullptr, &*ws,
+  auto ws = workspace_of("sprnn_gru_fwd", rest);
+  if (ws.has_error()) return ws.error();
+  return forward("sprnn_gru_fwd", stream, Cell::kGru, in, &*ys, &*hT, nullptr, nullptr, &*ws.value(),
                  reverse, 0, variant);
 }
 
@@ -420,7 +439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnRnnFwdCuda, sprnn::cuda::rnn_fwd,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<bool>("reverse")
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("variant"));
@@ -439,7 +458,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnLstmFwdCuda, sprnn::cuda::lstm_fwd,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<bool>("reverse")
                                   .Attr<int64_t>("variant"));
 
@@ -455,7 +474,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnGruFwdCuda, sprnn::cuda::gru_fwd,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<bool>("reverse")
                                   .Attr<int64_t>("variant"));
 
