@@ -345,3 +345,38 @@ def test_bad_shapes_and_dtypes_give_clear_errors():
     with pytest.raises(Exception, match="activation must be"):
         ffi_forward("rnn", make_problem("rnn", 2, 2, 4, 0.5, jnp.float32, seed=0), False,
                     activation=5)
+
+
+# The row kernels and cell passes have a baseline build and an AVX2+FMA build picked at run
+# time (B = 4 has its own kernel: several nonzeros per vector instruction, with 8- and 4-wide
+# blocks and a scalar tail per row, so rows of many lengths). SPRNN_CPU_ISA=base forces the
+# baseline; both must match the oracle and each other. Odd batch sizes take the generic path.
+ISA_CASES = [
+    ("rnn", 0, 5, 4, 64, 0.3, "f32", False, "mixed", 2, True),
+    ("lstm", 0, 4, 4, 40, 0.35, "f32", True, "full", 1, False),
+    ("gru", 0, 4, 4, 45, 0.4, "f32", False, "mixed", 2, True),
+    ("lstm", 0, 3, 4, 33, 0.5, "bf16", False, "mixed", 1, False),
+    ("rnn", 1, 4, 3, 50, 0.3, "f32", True, "mixed", 3, False),
+    ("gru", 0, 3, 5, 41, 0.3, "f32", False, "mixed", 1, False),
+    ("lstm", 0, 3, 16, 30, 0.3, "f32", False, "mixed", 4, True),
+]
+
+
+@pytest.mark.parametrize("isa", ["base", "default"])
+@pytest.mark.parametrize("case", ISA_CASES, ids=[case_id(c) for c in ISA_CASES])
+def test_isa_builds(case, isa, monkeypatch):
+    if isa == "base":
+        monkeypatch.setenv("SPRNN_CPU_ISA", "base")
+    check_case(case)
+
+
+@pytest.mark.parametrize("case", ISA_CASES[:4], ids=[case_id(c) for c in ISA_CASES[:4]])
+def test_isa_builds_agree(case, monkeypatch):
+    cell, act, T, B, H, density, dt, reverse, lens, groups, empty = case
+    p = make_problem(cell, T, B, H, density, DTYPES[dt], seed=11, lengths=lens,
+                     empty_rows=empty)
+    fast = ffi_forward(cell, p, reverse, act)
+    monkeypatch.setenv("SPRNN_CPU_ISA", "base")
+    base = ffi_forward(cell, p, reverse, act)
+    for k in fast:
+        close(fast[k], base[k], dt, f"default vs baseline build: {k}")

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -18,15 +20,20 @@
 #include "cpu/float_convert.h"
 #include "cpu/team.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
 namespace sprnn::cpu {
 
 // ---- row kernels -----------------------------------------------------------------------------
 
-// One nonzero as the row kernels read it: the weight and the offset col * B of its hidden unit
-// in a batch-contiguous state (one stream instead of two, and no index multiply per nonzero).
-struct Nz {
-  float v;
-  int32_t off;
+// The nonzeros as the row kernels read them: two streams, the weights in float32 and the
+// offsets col * B of their hidden units in a batch-contiguous state (no index multiply per
+// nonzero; two adjacent offsets come in one 64-bit load).
+struct NzStreams {
+  std::vector<float> v;
+  std::vector<int32_t> off;
 };
 
 #define SPRNN_CPU_INLINE inline __attribute__((always_inline))
@@ -51,10 +58,11 @@ struct BatchVec {
   static SPRNN_CPU_INLINE void store(float* p, const type& v) { std::memcpy(p, &v, sizeof(v)); }
 };
 
-// out[b] = sum_k v[k] * h[col[k] * B + b] over one packed row of n nonzeros.
+// out[b] = sum_k v[k] * h[off[k] + b] over one packed row of n nonzeros.
 template <int kB>
-SPRNN_CPU_INLINE void row_gemv_body(const Nz* __restrict nz, int64_t n, const float* __restrict h, int B,
-              float* __restrict out) {
+SPRNN_CPU_INLINE void row_gemv_body(const float* __restrict v, const int32_t* __restrict off,
+                                    int64_t n, const float* __restrict h, int B,
+                                    float* __restrict out) {
   if constexpr (kB > 0) {
     using V = BatchVec<kB>;
     using vec = typename V::type;
@@ -62,40 +70,41 @@ SPRNN_CPU_INLINE void row_gemv_body(const Nz* __restrict nz, int64_t n, const fl
     vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
     int64_t k = 0;
     for (; k + 4 <= n; k += 4) {
-      a0 += nz[k].v * V::load(h + nz[k].off);
-      a1 += nz[k + 1].v * V::load(h + nz[k + 1].off);
-      a2 += nz[k + 2].v * V::load(h + nz[k + 2].off);
-      a3 += nz[k + 3].v * V::load(h + nz[k + 3].off);
+      a0 += v[k] * V::load(h + off[k]);
+      a1 += v[k + 1] * V::load(h + off[k + 1]);
+      a2 += v[k + 2] * V::load(h + off[k + 2]);
+      a3 += v[k + 3] * V::load(h + off[k + 3]);
     }
-    for (; k < n; ++k) a0 += nz[k].v * V::load(h + nz[k].off);
+    for (; k < n; ++k) a0 += v[k] * V::load(h + off[k]);
     V::store(out, (a0 + a1) + (a2 + a3));
   } else {
     for (int b = 0; b < B; ++b) out[b] = 0.0f;
     for (int64_t k = 0; k < n; ++k) {
-      const float* hk = h + nz[k].off;
-      const float vk = nz[k].v;
+      const float* hk = h + off[k];
+      const float vk = v[k];
       for (int b = 0; b < B; ++b) out[b] += vk * hk[b];
     }
   }
 }
 
 // Backward of one packed row with pre-activation gradient d[0..B):
-//   dh_acc[col[k] * B + b] += v[k] * d[b]                       (transposed product, scatter)
-//   dv[g * nnz + k] += sum_{b in group g} d[b] * hprev[col[k] * B + b]   (weight gradient)
+//   dh_acc[off[k] + b] += v[k] * d[b]                       (transposed product, scatter)
+//   dv[g * nnz + k] += sum_{b in group g} d[b] * hprev[off[k] + b]   (weight gradient)
 // dv points at the row's first nonzero in group 0; batch row b belongs to group b / (B/groups).
 template <int kB>
-SPRNN_CPU_INLINE void row_bwd_body(const Nz* __restrict nz, int64_t n, const float* __restrict hprev,
-             const float* __restrict d_in, int B, int groups, int64_t nnz,
-             float* __restrict dh_acc, float* __restrict dv) {
+SPRNN_CPU_INLINE void row_bwd_body(const float* __restrict v, const int32_t* __restrict off,
+                                   int64_t n, const float* __restrict hprev,
+                                   const float* __restrict d_in, int B, int groups, int64_t nnz,
+                                   float* __restrict dh_acc, float* __restrict dv) {
   if constexpr (kB > 0) {
     using V = BatchVec<kB>;
     using vec = typename V::type;
     const vec d = V::load(d_in);
     const int per_group = kB / groups;
     for (int64_t k = 0; k < n; ++k) {
-      float* da = dh_acc + nz[k].off;
-      V::store(da, V::load(da) + nz[k].v * d);
-      const vec p = d * V::load(hprev + nz[k].off);
+      float* da = dh_acc + off[k];
+      V::store(da, V::load(da) + v[k] * d);
+      const vec p = d * V::load(hprev + off[k]);
       if (groups == 1) {
         float s = 0.0f;
         for (int b = 0; b < kB; ++b) s += p[b];
@@ -111,9 +120,9 @@ SPRNN_CPU_INLINE void row_bwd_body(const Nz* __restrict nz, int64_t n, const flo
   } else {
     const int per_group = B / groups;
     for (int64_t k = 0; k < n; ++k) {
-      float* __restrict da = dh_acc + nz[k].off;
-      const float* __restrict hp = hprev + nz[k].off;
-      const float vk = nz[k].v;
+      float* __restrict da = dh_acc + off[k];
+      const float* __restrict hp = hprev + off[k];
+      const float vk = v[k];
       for (int b = 0; b < B; ++b) da[b] += vk * d_in[b];
       for (int g = 0; g < groups; ++g) {
         float s = 0.0f;
@@ -124,6 +133,16 @@ SPRNN_CPU_INLINE void row_bwd_body(const Nz* __restrict nz, int64_t n, const flo
   }
 }
 
+// The rows of units [u0, u1): packed row r = u * G + g goes to pre[g * HB + u * B ..][0..B).
+// One call per thread and step (the row loop is inlined into the kernel it calls).
+#define SPRNN_ROWS_LOOP(ROW)                                                                  \
+  for (int64_t u = u0; u < u1; ++u) {                                                       \
+    for (int g = 0; g < G; ++g) {                                                           \
+      const int64_t r = u * G + g;                                                          \
+      const int32_t k0 = rp[r];                                                             \
+      ROW(v + k0, off + k0, rp[r + 1] - k0, h, B, pre + g * HB + u * B);                    \
+    }                                                                                       \
+  }
 
 // The row kernels as called: a baseline build (SSE2 on x86-64) and, on x86-64 with GCC or
 // Clang, an AVX2+FMA build of the same code, picked at run time (broadcast-from-memory and
@@ -131,16 +150,18 @@ SPRNN_CPU_INLINE void row_bwd_body(const Nz* __restrict nz, int64_t n, const flo
 // the baseline, so it still runs on any x86-64.
 #define SPRNN_ROW_KERNELS(SUFFIX, ATTR)                                                       \
   template <int kB>                                                                          \
-  ATTR void row_gemv##SUFFIX(const Nz* __restrict nz, int64_t n, const float* __restrict h, \
-                             int B, float* __restrict out) {                                 \
-    row_gemv_body<kB>(nz, n, h, B, out);                                                     \
+  ATTR void rows_gemv##SUFFIX(const float* __restrict v, const int32_t* __restrict off,     \
+                              const int32_t* __restrict rp, int64_t u0, int64_t u1, int G,  \
+                              int64_t HB, const float* __restrict h, int B,                 \
+                              float* __restrict pre) {                                       \
+    SPRNN_ROWS_LOOP(row_gemv_body<kB>)                                                       \
   }                                                                                          \
   template <int kB>                                                                          \
-  ATTR void row_bwd##SUFFIX(const Nz* __restrict nz, int64_t n,                              \
-                            const float* __restrict hprev, const float* __restrict d_in,     \
-                            int B, int groups, int64_t nnz, float* __restrict dh_acc,        \
-                            float* __restrict dv) {                                          \
-    row_bwd_body<kB>(nz, n, hprev, d_in, B, groups, nnz, dh_acc, dv);                        \
+  ATTR void row_bwd##SUFFIX(const float* __restrict v, const int32_t* __restrict off,       \
+                            int64_t n, const float* __restrict hprev,                        \
+                            const float* __restrict d_in, int B, int groups, int64_t nnz,    \
+                            float* __restrict dh_acc, float* __restrict dv) {                \
+    row_bwd_body<kB>(v, off, n, hprev, d_in, B, groups, nnz, dh_acc, dv);                   \
   }
 
 SPRNN_ROW_KERNELS(_base, )
@@ -150,33 +171,98 @@ SPRNN_ROW_KERNELS(_avx2, __attribute__((target("avx2,fma"))))
 #endif
 #undef SPRNN_ROW_KERNELS
 
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+// B = 4 (one nonzero = 16 bytes of state), several nonzeros per vector instruction:
+//   AVX2: two per 256-bit multiply-add. The lanes are [nonzero k: b0..b3 | nonzero k+1:
+//   b0..b3]: the two 16-byte state rows are one load and one insert-from-memory; the weights
+//   come four at a time in one broadcast load [v0..v3 | v0..v3] and an in-lane permute makes
+//   [v0 x4 | v1 x4]. The two halves of the accumulators are added at the row end.
+// Per nonzero that is about 2 loads (state row, half a 64-bit offset pair, a quarter of the
+// weights) instead of 3 (weight broadcast, offset, state row) for one 128-bit FMA each.
+__attribute__((target("avx2,fma"))) SPRNN_CPU_INLINE __m256 pair_rows4(const float* h,
+                                                                       const int32_t* o) {
+  uint64_t x;
+  std::memcpy(&x, o, sizeof(x));
+  const __m128 lo = _mm_loadu_ps(h + static_cast<uint32_t>(x));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), _mm_loadu_ps(h + (x >> 32)), 1);
+}
+
+__attribute__((target("avx2,fma"))) SPRNN_CPU_INLINE void row_gemv4_avx2(
+    const float* __restrict v, const int32_t* __restrict off, int64_t n,
+    const float* __restrict h, int, float* __restrict out) {
+  const __m256i c01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i c23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m256 va = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(v + k));
+    const __m256 vb = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(v + k + 4));
+    a0 = _mm256_fmadd_ps(_mm256_permutevar_ps(va, c01), pair_rows4(h, off + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_permutevar_ps(va, c23), pair_rows4(h, off + k + 2), a1);
+    a2 = _mm256_fmadd_ps(_mm256_permutevar_ps(vb, c01), pair_rows4(h, off + k + 4), a2);
+    a3 = _mm256_fmadd_ps(_mm256_permutevar_ps(vb, c23), pair_rows4(h, off + k + 6), a3);
+  }
+  if (k + 4 <= n) {
+    const __m256 va = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(v + k));
+    a0 = _mm256_fmadd_ps(_mm256_permutevar_ps(va, c01), pair_rows4(h, off + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_permutevar_ps(va, c23), pair_rows4(h, off + k + 2), a1);
+    k += 4;
+  }
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  for (; k < n; ++k) r = _mm_fmadd_ps(_mm_broadcast_ss(v + k), _mm_loadu_ps(h + off[k]), r);
+  _mm_storeu_ps(out, r);
+}
+
+__attribute__((target("avx2,fma"))) void rows_gemv4_avx2(
+    const float* __restrict v, const int32_t* __restrict off, const int32_t* __restrict rp,
+    int64_t u0, int64_t u1, int G, int64_t HB, const float* __restrict h, int B,
+    float* __restrict pre) {
+  SPRNN_ROWS_LOOP(row_gemv4_avx2)
+}
+
+#endif
+#undef SPRNN_ROWS_LOOP
+
+// Instruction sets of the run-time dispatch. SPRNN_CPU_ISA=base forces the baseline build
+// (read per call: the tests compare the builds in one process).
+enum class Isa : int { kBase = 0, kAvx2 = 1 };
+
+inline Isa cpu_isa() {
+  if (const char* env = std::getenv("SPRNN_CPU_ISA"); env != nullptr && std::string_view(env) == "base")
+    return Isa::kBase;
+#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (has) return Isa::kAvx2;
+#endif
+  return Isa::kBase;
+}
+
 struct RowKernels {
-  decltype(&row_gemv_base<0>) gemv;
+  decltype(&rows_gemv_base<0>) rows;
   decltype(&row_bwd_base<0>) bwd;
+  Isa isa = Isa::kBase;
 };
 
-#if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
-inline bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#endif
-
 template <int kB>
-RowKernels row_kernels_for() {
+RowKernels row_kernels_for(Isa isa) {
 #if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
-  if (cpu_has_avx2_fma()) return {&row_gemv_avx2<kB>, &row_bwd_avx2<kB>};
+  if constexpr (kB == 4) {
+    if (isa == Isa::kAvx2) return {&rows_gemv4_avx2, &row_bwd_avx2<kB>, isa};
+  }
+  if (isa >= Isa::kAvx2) return {&rows_gemv_avx2<kB>, &row_bwd_avx2<kB>, isa};
 #endif
-  return {&row_gemv_base<kB>, &row_bwd_base<kB>};
+  return {&rows_gemv_base<kB>, &row_bwd_base<kB>, isa};
 }
 
 inline RowKernels row_kernels(int64_t B) {
+  const Isa isa = cpu_isa();
   switch (B) {
-    case 1: return row_kernels_for<1>();
-    case 2: return row_kernels_for<2>();
-    case 4: return row_kernels_for<4>();
-    case 8: return row_kernels_for<8>();
-    default: return row_kernels_for<0>();
+    case 1: return row_kernels_for<1>(isa);
+    case 2: return row_kernels_for<2>(isa);
+    case 4: return row_kernels_for<4>(isa);
+    case 8: return row_kernels_for<8>(isa);
+    default: return row_kernels_for<0>(isa);
   }
 }
 
@@ -225,12 +311,16 @@ std::vector<float> to_float_vec(const S* p, int64_t n) {
   return out;
 }
 
-// The nonzeros as (value in float32, col * B) pairs.
+// The nonzeros as streams of float32 weights and offsets col * B.
 template <typename S>
-std::vector<Nz> pack_nonzeros(const S* values, const int32_t* col, int64_t nnz, int64_t B) {
-  std::vector<Nz> nz(static_cast<size_t>(nnz));
-  for (int64_t k = 0; k < nnz; ++k)
-    nz[k] = Nz{to_float(values[k]), static_cast<int32_t>(col[k] * B)};
+NzStreams pack_nonzeros(const S* values, const int32_t* col, int64_t nnz, int64_t B) {
+  NzStreams nz;
+  nz.v.resize(static_cast<size_t>(nnz));
+  nz.off.resize(static_cast<size_t>(nnz));
+  for (int64_t k = 0; k < nnz; ++k) {
+    nz.v[k] = to_float(values[k]);
+    nz.off[k] = static_cast<int32_t>(col[k] * B);
+  }
   return nz;
 }
 
@@ -394,17 +484,17 @@ SPRNN_CELL_PASSES(_avx2, __attribute__((target("avx2,fma"))))
 #undef SPRNN_CELL_PASSES
 
 template <Cell kCell, class... A>
-void cell_forward(A... a) {
+void cell_forward([[maybe_unused]] Isa isa, A... a) {
 #if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
-  if (cpu_has_avx2_fma()) return cell_forward_avx2<kCell>(a...);
+  if (isa >= Isa::kAvx2) return cell_forward_avx2<kCell>(a...);
 #endif
   cell_forward_base<kCell>(a...);
 }
 
 template <Cell kCell, class... A>
-void cell_backward(A... a) {
+void cell_backward([[maybe_unused]] Isa isa, A... a) {
 #if defined(SPRNN_CPU_HAVE_AVX2_KERNELS)
-  if (cpu_has_avx2_fma()) return cell_backward_avx2<kCell>(a...);
+  if (isa >= Isa::kAvx2) return cell_backward_avx2<kCell>(a...);
 #endif
   cell_backward_base<kCell>(a...);
 }
@@ -427,7 +517,7 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
-  const std::vector<Nz> nz = detail::pack_nonzeros(io.values, io.col_idx, d.nnz, B);
+  const NzStreams nz = detail::pack_nonzeros(io.values, io.col_idx, d.nnz, B);
   const int32_t* rp = io.row_ptr;
 
   // Double-buffered state: step s reads buf[s % 2] and writes buf[(s + 1) % 2].
@@ -465,14 +555,9 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
           detail::zero_row(G, H, B, b, u0, u1, x.data());
         }
       }
-      for (int64_t u = u0; u < u1; ++u) {
-        for (int g = 0; g < G; ++g) {
-          const int64_t r = u * G + g;
-          kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], hc, static_cast<int>(B),
-                    pre.data() + g * HB + u * B);
-        }
-      }
-      detail::cell_forward<kCell>(n, HB, x.data() + i0, pre.data() + i0, hc + i0,
+      kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, HB, hc, static_cast<int>(B),
+                pre.data());
+      detail::cell_forward<kCell>(kern.isa, n, HB, x.data() + i0, pre.data() + i0, hc + i0,
                                   kGru ? bias.data() + i0 : nullptr, kLstm ? cc + i0 : nullptr,
                                   hn + i0, kLstm ? cn + i0 : nullptr);
       for (int64_t b = 0; b < B; ++b) {
@@ -513,7 +598,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
   const int64_t per_group = B / groups;
   const RowKernels kern = row_kernels(B);
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
-  const std::vector<Nz> nz = detail::pack_nonzeros(io.values, io.col_idx, nnz, B);
+  const NzStreams nz = detail::pack_nonzeros(io.values, io.col_idx, nnz, B);
   const int32_t* rp = io.row_ptr;
 
   // dh / dc: gradient of the state after the current step (carried backwards in time).
@@ -570,17 +655,12 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
       }
       barrier.wait();  // hprev complete: the rows below read all of it
       if constexpr (kRecompute) {
-        for (int64_t u = u0; u < u1; ++u) {
-          for (int g = 0; g < G; ++g) {
-            const int64_t r = u * G + g;
-            kern.gemv(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), static_cast<int>(B),
-                      hw.data() + g * HB + u * B);
-          }
-        }
+        kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, HB, hprev.data(),
+                  static_cast<int>(B), hw.data());
       }
       // The cell's derivative; dh_new gets the direct part of dh_prev.
       detail::cell_backward<kCell>(
-          n, HB, x.data() + i0, kRecompute ? hw.data() + i0 : nullptr, hprev.data() + i0,
+          kern.isa, n, HB, x.data() + i0, kRecompute ? hw.data() + i0 : nullptr, hprev.data() + i0,
           kLstm ? cprev.data() + i0 : nullptr, kGru ? bias.data() + i0 : nullptr,
           kRecompute ? nullptr : y.data() + i0, dh.data() + i0, dy.data() + i0,
           kLstm ? dc.data() + i0 : nullptr, dpre.data() + i0, kGru ? dx_gru.data() + i0 : nullptr,
@@ -610,8 +690,9 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
           for (int64_t b = 0; b < B; ++b) any |= dg[b] != 0.0f;
           if (!any) continue;
           const int64_t r = u * G + g;
-          kern.bwd(nz.data() + rp[r], rp[r + 1] - rp[r], hprev.data(), dg, static_cast<int>(B),
-                   static_cast<int>(groups), nnz, acc, dv.data() + rp[r]);
+          kern.bwd(nz.v.data() + rp[r], nz.off.data() + rp[r], rp[r + 1] - rp[r],
+                   hprev.data(), dg, static_cast<int>(B), static_cast<int>(groups), nnz, acc,
+                   dv.data() + rp[r]);
         }
       }
       barrier.wait();  // all accumulators complete
