@@ -29,6 +29,16 @@ def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.nd
     k members then lands at most ceil(k / m') times in any group, which is the best possible
     up to one, and a row whose residues are balanced gets entirely conflict-free groups.
 
+    How the CUDA kernel reads it (csrc/cuda/kernel_core.cuh): one warp per packed row, the
+    row's k-th nonzero on lane k % 32, and h in shared memory as h[col][batch tile]. With the
+    default period 16 and an fp16/bf16 batch tile of 4 (8-byte loads, served per half-warp),
+    the 16 lanes of a half-warp then read 16 distinct 8-byte bank pairs. For 16-byte loads
+    (float32 tile of 4, 16-bit tile of 8; served 8 lanes at a time) the members of a group are
+    placed in residue order, so a full group of distinct residues 0..15 puts 0..7 and 8..15 in
+    its two halves, which are also distinct mod 8. Measured with ncu on the H200 (ReLU H=1152,
+    d=10%, fp16, B=4): 41% fewer shared-load bank conflicts than plain column order
+    (benchmarks/NOTES.md).
+
     ``row_of`` must be non-decreasing. Returns indices into the inputs.
     """
     n_total = row_of.shape[0]
