@@ -16,6 +16,16 @@ def has_gpu() -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def _cpu_only(request):
+    """Tests marked cpu_only call the CPU FFI targets directly: run them on the CPU device."""
+    if request.node.get_closest_marker("cpu_only") is None:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return
