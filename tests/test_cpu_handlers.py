@@ -19,6 +19,9 @@ import pytest
 import jax_sprnn
 from jax_sprnn import _ffi, reference
 
+# These tests call the CPU FFI targets directly: keep them on the CPU device on GPU machines.
+pytestmark = pytest.mark.cpu_only
+
 pytestmark = pytest.mark.skipif(
     "sprnn_rnn_fwd" not in _ffi.CPU_TARGETS,
     reason="jax_sprnn's C++ CPU extension is not built (pip install .)")
