@@ -19,12 +19,12 @@ import pytest
 import jax_sprnn
 from jax_sprnn import _ffi, reference
 
-# These tests call the CPU FFI targets directly: keep them on the CPU device on GPU machines.
-pytestmark = pytest.mark.cpu_only
-
-pytestmark = pytest.mark.skipif(
-    "sprnn_rnn_fwd" not in _ffi.CPU_TARGETS,
-    reason="jax_sprnn's C++ CPU extension is not built (pip install .)")
+pytestmark = [
+    # These tests call the CPU FFI targets directly: on GPU machines, keep them on the CPU.
+    pytest.mark.cpu_only,
+    pytest.mark.skipif("sprnn_rnn_fwd" not in _ffi.CPU_TARGETS,
+                       reason="jax_sprnn's C++ CPU extension is not built (pip install .)"),
+]
 
 GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
