@@ -58,11 +58,11 @@ struct BatchVec {
   static SPRNN_CPU_INLINE void store(float* p, const type& v) { std::memcpy(p, &v, sizeof(v)); }
 };
 
-// out[b] = sum_k v[k] * h[off[k] + b] over one packed row of n nonzeros.
+// out[b * bs] = sum_k v[k] * h[off[k] + b] over one packed row of n nonzeros.
 template <int kB>
 SPRNN_CPU_INLINE void row_gemv_body(const float* __restrict v, const int32_t* __restrict off,
                                     int64_t n, const float* __restrict h, int B,
-                                    float* __restrict out) {
+                                    float* __restrict out, int64_t bs) {
   if constexpr (kB > 0) {
     using V = BatchVec<kB>;
     using vec = typename V::type;
@@ -76,13 +76,18 @@ SPRNN_CPU_INLINE void row_gemv_body(const float* __restrict v, const int32_t* __
       a3 += v[k + 3] * V::load(h + off[k + 3]);
     }
     for (; k < n; ++k) a0 += v[k] * V::load(h + off[k]);
-    V::store(out, (a0 + a1) + (a2 + a3));
+    const vec a = (a0 + a1) + (a2 + a3);
+    if (bs == 1) {
+      V::store(out, a);
+    } else {
+      for (int b = 0; b < kB; ++b) out[b * bs] = a[b];
+    }
   } else {
-    for (int b = 0; b < B; ++b) out[b] = 0.0f;
+    for (int b = 0; b < B; ++b) out[b * bs] = 0.0f;
     for (int64_t k = 0; k < n; ++k) {
       const float* hk = h + off[k];
       const float vk = v[k];
-      for (int b = 0; b < B; ++b) out[b] += vk * hk[b];
+      for (int b = 0; b < B; ++b) out[b * bs] += vk * hk[b];
     }
   }
 }
@@ -133,14 +138,18 @@ SPRNN_CPU_INLINE void row_bwd_body(const float* __restrict v, const int32_t* __r
   }
 }
 
-// The rows of units [u0, u1): packed row r = u * G + g goes to pre[g * HB + u * B ..][0..B).
-// One call per thread and step (the row loop is inlined into the kernel it calls).
+// The rows of units [u0, u1): packed row r = u * G + g, batch row b goes to
+// pre[g * o.gs + u * o.us + b * o.bs]. One call per thread and step (the row loop is inlined
+// into the kernel it calls).
+struct OutLayout {
+  int64_t gs, us, bs;
+};
 #define SPRNN_ROWS_LOOP(ROW)                                                                  \
   for (int64_t u = u0; u < u1; ++u) {                                                       \
     for (int g = 0; g < G; ++g) {                                                           \
       const int64_t r = u * G + g;                                                          \
       const int32_t k0 = rp[r];                                                             \
-      ROW(v + k0, off + k0, rp[r + 1] - k0, h, B, pre + g * HB + u * B);                    \
+      ROW(v + k0, off + k0, rp[r + 1] - k0, h, B, pre + g * o.gs + u * o.us, o.bs);         \
     }                                                                                       \
   }
 
@@ -152,7 +161,7 @@ SPRNN_CPU_INLINE void row_bwd_body(const float* __restrict v, const int32_t* __r
   template <int kB>                                                                          \
   ATTR void rows_gemv##SUFFIX(const float* __restrict v, const int32_t* __restrict off,     \
                               const int32_t* __restrict rp, int64_t u0, int64_t u1, int G,  \
-                              int64_t HB, const float* __restrict h, int B,                 \
+                              OutLayout o, const float* __restrict h, int B,                \
                               float* __restrict pre) {                                       \
     SPRNN_ROWS_LOOP(row_gemv_body<kB>)                                                       \
   }                                                                                          \
@@ -189,7 +198,7 @@ __attribute__((target("avx2,fma"))) SPRNN_CPU_INLINE __m256 pair_rows4(const flo
 
 __attribute__((target("avx2,fma"))) SPRNN_CPU_INLINE void row_gemv4_avx2(
     const float* __restrict v, const int32_t* __restrict off, int64_t n,
-    const float* __restrict h, int, float* __restrict out) {
+    const float* __restrict h, int, float* __restrict out, int64_t bs) {
   const __m256i c01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i c23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -211,12 +220,18 @@ __attribute__((target("avx2,fma"))) SPRNN_CPU_INLINE void row_gemv4_avx2(
   const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   for (; k < n; ++k) r = _mm_fmadd_ps(_mm_broadcast_ss(v + k), _mm_loadu_ps(h + off[k]), r);
-  _mm_storeu_ps(out, r);
+  if (bs == 1) {
+    _mm_storeu_ps(out, r);
+  } else {
+    alignas(16) float t[4];
+    _mm_store_ps(t, r);
+    for (int b = 0; b < 4; ++b) out[b * bs] = t[b];
+  }
 }
 
 __attribute__((target("avx2,fma"))) void rows_gemv4_avx2(
     const float* __restrict v, const int32_t* __restrict off, const int32_t* __restrict rp,
-    int64_t u0, int64_t u1, int G, int64_t HB, const float* __restrict h, int B,
+    int64_t u0, int64_t u1, int G, OutLayout o, const float* __restrict h, int B,
     float* __restrict pre) {
   SPRNN_ROWS_LOOP(row_gemv4_avx2)
 }
@@ -403,13 +418,13 @@ struct StepPlan {
 namespace detail {
 
 template <Cell kCell>
-SPRNN_CPU_INLINE void cell_forward_body(int64_t n, int64_t HB, const float* __restrict xs, const float* __restrict ps,
+SPRNN_CPU_INLINE void cell_forward_body(int64_t n, int64_t xst, int64_t pst, const float* __restrict xs, const float* __restrict ps,
                   const float* __restrict hs, const float* __restrict bias,
                   const float* __restrict cs, float* __restrict hn, float* __restrict cn) {
   if constexpr (kCell == Cell::kLstm) {
     for (int64_t i = 0; i < n; ++i) {
       float p[4];
-      for (int g = 0; g < 4; ++g) p[g] = xs[g * HB + i] + ps[g * HB + i];
+      for (int g = 0; g < 4; ++g) p[g] = xs[g * xst + i] + ps[g * pst + i];
       float c = cs[i];
       hn[i] = lstm_step<FastMath>(p, c);
       cn[i] = c;
@@ -418,8 +433,8 @@ SPRNN_CPU_INLINE void cell_forward_body(int64_t n, int64_t HB, const float* __re
     for (int64_t i = 0; i < n; ++i) {
       float xv[3], hw[3];
       for (int g = 0; g < 3; ++g) {
-        xv[g] = xs[g * HB + i];
-        hw[g] = ps[g * HB + i];
+        xv[g] = xs[g * xst + i];
+        hw[g] = ps[g * pst + i];
       }
       hn[i] = gru_step<FastMath>(xv, hw, bias[i], hs[i]);
     }
@@ -503,80 +518,127 @@ void cell_backward([[maybe_unused]] Isa isa, A... a) {
 
 // ---- forward -------------------------------------------------------------------------------
 //
-// Per step: gather xp_t into a gate-major batch-contiguous buffer x[g][u][b], run the sparse
-// rows into pre[g][u][b], apply the cell to the entries in one flat loop (which the compiler
-// vectorizes: the cell math is branch-free, see fast_math.h), then restore the state of batch
-// rows that have no step here and write ys / cs. Each thread does this for its own units; the
-// next step needs all of them (barrier).
+// Per step and thread (units [u0, u1)): the sparse rows read the whole unit-major state
+// h[u * B + b] and write their pre-activations batch-major, pre[(g * B + b) * H + u] (the row
+// kernel stores its B results with a stride). The cell then runs per batch row on contiguous
+// spans: xp_t straight from the input (no gather), the old c (and h for gru) and the new
+// state batch-major, hb[b * H + u], which is also the layout of ys / cs / hT / cT (no scatter);
+// float32 outputs are written by a plain conversion loop. Last, the new state is transposed
+// into the unit-major h of the next step (4x4 blocks for B = 4). Batch rows with no step here
+// keep their state. The next step needs all units (barrier).
+
+namespace detail {
+
+// src[b * H + u] -> dst[u * B + b] for u in [u0, u1).
+inline void to_unit_major(const float* __restrict src, int64_t B, int64_t H, int64_t u0,
+                          int64_t u1, float* __restrict dst) {
+  int64_t u = u0;
+#if defined(__SSE2__)
+  if (B == 4) {
+    for (; u + 4 <= u1; u += 4) {
+      __m128 r0 = _mm_loadu_ps(src + u), r1 = _mm_loadu_ps(src + H + u);
+      __m128 r2 = _mm_loadu_ps(src + 2 * H + u), r3 = _mm_loadu_ps(src + 3 * H + u);
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+      _mm_storeu_ps(dst + u * 4, r0);
+      _mm_storeu_ps(dst + u * 4 + 4, r1);
+      _mm_storeu_ps(dst + u * 4 + 8, r2);
+      _mm_storeu_ps(dst + u * 4 + 12, r3);
+    }
+  }
+#endif
+  for (; u < u1; ++u)
+    for (int64_t b = 0; b < B; ++b) dst[u * B + b] = src[b * H + u];
+}
+
+template <typename S>
+void store_span(const float* __restrict src, int64_t n, S* __restrict dst) {
+  if constexpr (std::is_same_v<S, float>) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<S>(src[i]);
+  }
+}
+
+}  // namespace detail
 
 template <typename S, Cell kCell>
 void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   constexpr int G = gates_of(kCell);
   constexpr bool kLstm = kCell == Cell::kLstm;
   constexpr bool kGru = kCell == Cell::kGru;
+  constexpr bool kF32 = std::is_same_v<S, float>;
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
   const NzStreams nz = detail::pack_nonzeros(io.values, io.col_idx, d.nnz, B);
   const int32_t* rp = io.row_ptr;
 
-  // Double-buffered state: step s reads buf[s % 2] and writes buf[(s + 1) % 2].
+  // h: unit-major state for the rows, double-buffered (step s reads h[s % 2], writes the
+  // other). hb: the new state batch-major (gru: double-buffered, its cell reads the old one).
+  // c (lstm): batch-major, double-buffered. xf: xp_t in float32 (narrow dtypes only).
   std::vector<float> h[2] = {std::vector<float>(HB), std::vector<float>(HB)};
-  std::vector<float> c[2], x(G * HB), pre(G * HB), bias;
+  std::vector<float> hb[2], c[2], pre(G * HB), xf, bias;
   detail::load_transposed(io.h0, B, H, h[0].data());
-  if constexpr (kLstm) {
-    c[0].resize(HB);
-    c[1].resize(HB);
-    detail::load_transposed(io.c0, B, H, c[0].data());
-  }
+  hb[0] = detail::to_float_vec(io.h0, HB);
   if constexpr (kGru) {
-    bias.resize(HB);
-    for (int64_t i = 0; i < HB; ++i) bias[i] = to_float(io.b_hn[i / B]);
+    hb[1].resize(HB);
+    bias = detail::to_float_vec(io.b_hn, H);
   }
+  if constexpr (kLstm) {
+    c[0] = detail::to_float_vec(io.c0, HB);
+    c[1].resize(HB);
+  }
+  if constexpr (!kF32) xf.resize(G * HB);
   detail::zero_invalid(io.ys_out, plan0.len, T, B, H);
   if constexpr (kLstm) detail::zero_invalid(io.cs_out, plan0.len, T, B, H);
 
   const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
   run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
     const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
-    const int64_t u0 = split[tid], u1 = split[tid + 1];
-    const int64_t i0 = u0 * B, n = (u1 - u0) * B;
+    const int64_t u0 = split[tid], u1 = split[tid + 1], n = u1 - u0;
     detail::StepPlan plan = plan0;
     for (int64_t s = 0; s < plan.steps; ++s) {
       plan.at(s);
-      const float* hc = h[s % 2].data();
-      float* hn = h[(s + 1) % 2].data();
-      const float* cc = kLstm ? c[s % 2].data() : nullptr;
-      float* cn = kLstm ? c[(s + 1) % 2].data() : nullptr;
+      const int cur = static_cast<int>(s % 2), nxt = 1 - cur;
+      const float* hc = h[cur].data();
+      float* hn = h[nxt].data();
+      float* hbn = hb[kGru ? nxt : 0].data();
+      kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, OutLayout{B * H, 1, H}, hc,
+                static_cast<int>(B), pre.data());
       for (int64_t b = 0; b < B; ++b) {
-        if (plan.active[b]) {
-          detail::gather_row(io.xp + (plan.t[b] * B + b) * GH, G, H, B, b, u0, u1, x.data());
-        } else {
-          detail::zero_row(G, H, B, b, u0, u1, x.data());
-        }
-      }
-      kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, HB, hc, static_cast<int>(B),
-                pre.data());
-      detail::cell_forward<kCell>(kern.isa, n, HB, x.data() + i0, pre.data() + i0, hc + i0,
-                                  kGru ? bias.data() + i0 : nullptr, kLstm ? cc + i0 : nullptr,
-                                  hn + i0, kLstm ? cn + i0 : nullptr);
-      for (int64_t b = 0; b < B; ++b) {
+        float* hnb = hbn + b * H;
+        float* cnb = kLstm ? c[nxt].data() + b * H : nullptr;
+        const float* ccb = kLstm ? c[cur].data() + b * H : nullptr;
         if (!plan.active[b]) {  // no step for this row: the state stays
-          for (int64_t u = u0; u < u1; ++u) hn[u * B + b] = hc[u * B + b];
-          if constexpr (kLstm)
-            for (int64_t u = u0; u < u1; ++u) cn[u * B + b] = cc[u * B + b];
+          for (int64_t u = u0; u < u1; ++u) hnb[u] = hc[u * B + b];
+          if constexpr (kLstm) std::copy(ccb + u0, ccb + u1, cnb + u0);
           continue;
         }
         const int64_t row = plan.t[b] * B + b;
-        detail::scatter_row(hn, 1, H, B, b, u0, u1, io.ys_out + row * H);
-        if constexpr (kLstm) detail::scatter_row(cn, 1, H, B, b, u0, u1, io.cs_out + row * H);
+        const float* xs;
+        if constexpr (kF32) {
+          xs = io.xp + row * GH;
+        } else {
+          float* xb = xf.data() + b * GH;
+          for (int g = 0; g < G; ++g)
+            for (int64_t u = u0; u < u1; ++u) xb[g * H + u] = to_float(io.xp[row * GH + g * H + u]);
+          xs = xb;
+        }
+        detail::cell_forward<kCell>(kern.isa, n, H, B * H, xs + u0, pre.data() + b * H + u0,
+                                    kGru ? hb[cur].data() + b * H + u0 : nullptr,
+                                    kGru ? bias.data() + u0 : nullptr,
+                                    kLstm ? ccb + u0 : nullptr, hnb + u0,
+                                    kLstm ? cnb + u0 : nullptr);
+        detail::store_span(hnb + u0, n, io.ys_out + row * H + u0);
+        if constexpr (kLstm) detail::store_span(cnb + u0, n, io.cs_out + row * H + u0);
       }
+      detail::to_unit_major(hbn, B, H, u0, u1, hn);
       barrier.wait();
     }
   });
-  const int64_t last = plan0.steps % 2;
-  detail::store_transposed(h[last].data(), B, H, io.hT);
-  if constexpr (kLstm) detail::store_transposed(c[last].data(), B, H, io.cT);
+  const int last = static_cast<int>(plan0.steps % 2);
+  detail::store_span(hb[kGru ? last : 0].data(), HB, io.hT);
+  if constexpr (kLstm) detail::store_span(c[last].data(), HB, io.cT);
 }
 
 // ---- backward ------------------------------------------------------------------------------
@@ -655,7 +717,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
       }
       barrier.wait();  // hprev complete: the rows below read all of it
       if constexpr (kRecompute) {
-        kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, HB, hprev.data(),
+        kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, OutLayout{HB, B, 1}, hprev.data(),
                   static_cast<int>(B), hw.data());
       }
       // The cell's derivative; dh_new gets the direct part of dh_prev.
