@@ -383,3 +383,12 @@ def test_isa_builds_agree(case, monkeypatch):
     base = ffi_forward(cell, p, reverse, act)
     for k in fast:
         close(fast[k], base[k], dt, f"default vs baseline build: {k}")
+
+
+# A thread that keeps waiting for the others finishes the call alone (team.h, SoloSwitch);
+# SPRNN_CPU_SOLO_TEST=1 forces the last thread to take over after step 1.
+@pytest.mark.parametrize("case", THREADED[:3], ids=[case_id(c) for c in THREADED[:3]])
+def test_threads_solo_switch(case, monkeypatch):
+    monkeypatch.setenv("SPRNN_CPU_THREADS", "3")
+    monkeypatch.setenv("SPRNN_CPU_SOLO_TEST", "1")
+    check_case(case)

@@ -593,9 +593,12 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   if constexpr (kLstm) detail::zero_invalid(io.cs_out, plan0.len, T, B, H);
 
   const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
+  SoloSwitch solo(want);
   run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
     const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
-    const int64_t u0 = split[tid], u1 = split[tid + 1], n = u1 - u0;
+    int64_t u0 = split[tid], u1 = split[tid + 1], n = u1 - u0;
+    bool alone = nthreads == 1;
+    int64_t worked = 0, waited = 0, t0 = alone ? 0 : SoloSwitch::now_ns();
     detail::StepPlan plan = plan0;
     for (int64_t s = 0; s < plan.steps; ++s) {
       plan.at(s);
@@ -633,7 +636,20 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
         if constexpr (kLstm) detail::store_span(cnb + u0, n, io.cs_out + row * H + u0);
       }
       detail::to_unit_major(hbn, B, H, u0, u1, hn);
+      if (alone) continue;
+      const int64_t t1 = SoloSwitch::now_ns();
+      worked += t1 - t0;
+      solo.maybe_request(s, tid, worked, waited);
       barrier.wait();
+      t0 = SoloSwitch::now_ns();
+      if (s > 0) waited += t0 - t1;  // the first wait includes the threads' start-up
+      if (const int owner = solo.owner_after(s); owner >= 0) {
+        if (owner != tid) return;
+        alone = true;
+        u0 = 0;
+        u1 = H;
+        n = H;
+      }
     }
   });
   const int last = static_cast<int>(plan0.steps % 2);

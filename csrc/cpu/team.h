@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <thread>
@@ -51,6 +52,49 @@ class SpinBarrier {
   const int n_;
   std::atomic<int> count_{0};
   std::atomic<int> gen_{0};
+};
+
+// On a shared machine one thread of a team can be descheduled for milliseconds, and then the
+// others wait at every barrier (a step is ~10 us). Each thread keeps its own totals of working
+// and waiting time; once a thread has waited longer than it worked (so the team is slower than
+// that thread would be alone), it asks to finish the call alone. The request names a step:
+// every thread reads it after that step's barrier (it was written before the request's owner
+// arrived there), so all agree from which step on the owner runs every unit and the others
+// leave. At most one request succeeds per call.
+class SoloSwitch {
+ public:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // SPRNN_CPU_SOLO_TEST=1 (tests only): the last thread takes over after step 1.
+  explicit SoloSwitch(int nthreads) {
+    if (const char* env = std::getenv("SPRNN_CPU_SOLO_TEST"); env != nullptr && env[0] == '1')
+      forced_tid_ = nthreads - 1;
+  }
+
+  // Called by thread `tid` after its work of step s, before the barrier closing it.
+  void maybe_request(int64_t step, int tid, int64_t worked_ns, int64_t waited_ns) {
+    constexpr int64_t kMinWaitNs = 200000;
+    const bool forced = forced_tid_ == tid && step == 1;
+    if (forced || (forced_tid_ < 0 && waited_ns > worked_ns && waited_ns > kMinWaitNs)) {
+      int64_t expected = kNone;
+      at_.compare_exchange_strong(expected, (step << 8) | tid, std::memory_order_acq_rel);
+    }
+  }
+
+  // After the barrier closing step s: the thread that runs alone from step s + 1, or -1.
+  int owner_after(int64_t step) const {
+    const int64_t v = at_.load(std::memory_order_acquire);
+    return v != kNone && (v >> 8) <= step ? static_cast<int>(v & 255) : -1;
+  }
+
+ private:
+  static constexpr int64_t kNone = INT64_MAX;
+  std::atomic<int64_t> at_{kNone};
+  int forced_tid_ = -1;
 };
 
 // Threads for a call whose steps each do about `work` multiply-adds (nnz * B).
