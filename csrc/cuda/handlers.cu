@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 
@@ -241,6 +242,19 @@ int dtype_code(ffi::DataType t) {
   }
 }
 
+bool has_type(const ffi::AnyBuffer& b, ffi::DataType t) { return b.element_type() == t; }
+
+// b has exactly these dimensions and the dtype of like.
+bool has_shape(const ffi::AnyBuffer& b, const ffi::AnyBuffer& like,
+               std::initializer_list<long long> dims) {
+  auto d = b.dimensions();
+  if (b.element_type() != like.element_type() || d.size() != dims.size()) return false;
+  size_t i = 0;
+  for (long long want : dims)
+    if (d[i++] != want) return false;
+  return true;
+}
+
 ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
 }
@@ -269,8 +283,15 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
       in.col_idx.element_count() != static_cast<size_t>(nnz) ||
       in.row_ptr.element_count() != static_cast<size_t>(G * H + 1) ||
       in.values.element_type() != in.xp.element_type() ||
-      in.h0.element_type() != in.xp.element_type())
-    return ffi::Error::InvalidArgument(std::string(target) + ": inconsistent shapes or dtypes");
+      in.h0.element_type() != in.xp.element_type() ||
+      !has_type(in.lengths, ffi::DataType::S32) || !has_type(in.col_idx, ffi::DataType::S32) ||
+      !has_type(in.row_ptr, ffi::DataType::S32) ||
+      (in.c0 && !has_shape(*in.c0, in.xp, {B, H})) ||
+      (in.b_hn && !has_shape(*in.b_hn, in.xp, {H})) || !has_shape(*ys, in.xp, {T, B, H}) ||
+      !has_shape(*hT, in.xp, {B, H}) || (cT && !has_shape(*cT, in.xp, {B, H})) ||
+      (cs && !has_shape(*cs, in.xp, {T, B, H})))
+    return ffi::Error::InvalidArgument(std::string(target) + ": inconsistent shapes or dtypes "
+                                       "(see docs/INTERFACE.md)");
   if (T > 0x3fffffffLL || B > 0x3fffffffLL || H > 0x3fffffffLL)
     return ffi::Error::InvalidArgument(std::string(target) + ": dimensions too large");
   const long long ws_need = workspace_bytes(G, dtype, H, B);
@@ -375,7 +396,10 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
 // jax.ffi.ffi_call without it gets a clear error instead of undefined behaviour.
 ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> workspace_of(const char* target,
                                                        const ffi::RemainingRets& rest) {
-  auto ws = rest.get<ffi::AnyBuffer>(0);
+  // get() bounds-checks only with assert(), compiled out in release builds: check the count.
+  auto ws = rest.empty() ? ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>>(
+                               ffi::Unexpected(ffi::Error::InvalidArgument("no workspace")))
+                         : rest.get<ffi::AnyBuffer>(0);
   if (ws.has_error())
     return ffi::Unexpected(ffi::Error::InvalidArgument(
         std::string(target) + " on CUDA needs the u8 workspace result that jax_sprnn's CUDA "
