@@ -56,8 +56,9 @@ class SpinBarrier {
 
 // On a shared machine one thread of a team can be descheduled for milliseconds, and then the
 // others wait at every barrier (a step is ~10 us). Each thread keeps its own totals of working
-// and waiting time; once a thread has waited longer than it worked (so the team is slower than
-// that thread would be alone), it asks to finish the call alone. The request names a step:
+// and waiting time; once a thread has waited more than twice as long as it worked (so the team
+// is clearly slower than that thread would be alone; at 1x, short hiccups of a virtual CPU
+// already tipped long-step calls into running alone), it asks to finish the call alone. The request names a step:
 // every thread reads it after that step's barrier (it was written before the request's owner
 // arrived there), so all agree from which step on the owner runs every unit and the others
 // leave. At most one request succeeds per call.
@@ -79,7 +80,7 @@ class SoloSwitch {
   void maybe_request(int64_t step, int tid, int64_t worked_ns, int64_t waited_ns) {
     constexpr int64_t kMinWaitNs = 200000;
     const bool forced = forced_tid_ == tid && step == 1;
-    if (forced || (forced_tid_ < 0 && waited_ns > worked_ns && waited_ns > kMinWaitNs)) {
+    if (forced || (forced_tid_ < 0 && waited_ns > 2 * worked_ns && waited_ns > kMinWaitNs)) {
       int64_t expected = kNone;
       at_.compare_exchange_strong(expected, (step << 8) | tid, std::memory_order_acq_rel);
     }
