@@ -151,6 +151,11 @@ class Layout(NamedTuple):
     steps: int
 
 
+def step_shape(inputs, time_major: bool):
+    """Shape of one timestep's input (time axis removed), as Flax's initialize_carry takes it."""
+    return inputs.shape[1:] if time_major else inputs.shape[:-2] + inputs.shape[-1:]
+
+
 def to_time_major(inputs, time_major: bool):
     """(*batch, T, F) or (T, *batch, F) -> ((T, B, F), Layout)."""
     if inputs.ndim < 2:

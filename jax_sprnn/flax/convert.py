@@ -54,6 +54,15 @@ def _check_activations(cell, kind: str) -> str:
                      f"got {cell.activation_fn}")
 
 
+def _cell_kind(cell, supported: dict):
+    """The sparse cell kind ('lstm', 'gru', 'rnn') and activation of a Flax cell, or an error."""
+    kind = supported.get(type(cell))
+    if kind is None:
+        raise TypeError(f"cannot convert an RNN over {type(cell).__name__}; supported cells: "
+                        + ", ".join(c.__name__ for c in supported))
+    return kind, _check_activations(cell, kind)
+
+
 def _mask_array(mask, kernel_h, hidden: int, gates: int, gate_masks=None) -> np.ndarray:
     """The (H, G*H) pattern: explicit array, per-gate masks, or the kernel's nonzeros."""
     if mask is None and gate_masks is None:
@@ -129,11 +138,7 @@ def from_flax_rnn(module, variables, mask=None, *, implementation: str = "auto")
         raise TypeError(f"from_flax_rnn expects flax.linen.RNN or Bidirectional, got "
                         f"{type(module).__name__}")
     cell = module.cell
-    kind = _LINEN_CELLS.get(type(cell))
-    if kind is None:
-        raise TypeError(f"cannot convert an RNN over {type(cell).__name__}; supported cells: "
-                        + ", ".join(c.__name__ for c in _LINEN_CELLS))
-    activation = _check_activations(cell, kind)
+    kind, activation = _cell_kind(cell, _LINEN_CELLS)
     params = variables["params"]["cell"]
     names = _RECURRENT[kind]
     hidden = cell.features
@@ -211,11 +216,7 @@ def from_nnx_rnn(rnn, mask=None, *, implementation: str = "auto"):
         raise TypeError(f"from_nnx_rnn expects flax.nnx.RNN or Bidirectional, got "
                         f"{type(rnn).__name__}")
     cell = rnn.cell
-    kind = _NNX_CELLS.get(type(cell))
-    if kind is None:
-        raise TypeError(f"cannot convert an RNN over {type(cell).__name__}; supported cells: "
-                        + ", ".join(c.__name__ for c in _NNX_CELLS))
-    activation = _check_activations(cell, kind)
+    kind, activation = _cell_kind(cell, _NNX_CELLS)
     hidden, gates = cell.hidden_features, common.GATES[kind]
     kernel_i, bias_i, kernel_h, bias_h = _nnx_fused(cell, kind)
     gate_masks = _nnx_tree_mask(mask, kind) if isinstance(mask, Mapping) else None

@@ -173,10 +173,9 @@ class _SparseRNNBase(nn.Module):
             self.cell_type, self.features, self.kernel_init, self.recurrent_kernel_init,
             self.bias_init, self.param_dtype, name="cell")(inputs.shape[-1])
         if initial_carry is None:
-            step_shape = (inputs.shape[1:] if time_major
-                          else inputs.shape[:-2] + inputs.shape[-1:])
             initial_carry = self.initialize_carry(
-                jax.random.key(0) if init_key is None else init_key, step_shape)
+                jax.random.key(0) if init_key is None else init_key,
+                common.step_shape(inputs, time_major))
         kernel_h, mask = self._kernel_and_mask(kernel_h, self.static_mask)
         carry, outputs = common.run_layer(
             self.cell_type, inputs, kernel_i, bias_i, kernel_h, mask, b_hn=b_hn,

@@ -111,9 +111,7 @@ class _SparseRNNBase(nnx.Module):
         reverse = self.reverse if reverse is None else reverse
         keep_order = self.keep_order if keep_order is None else keep_order
         if initial_carry is None and self.carry_init is not None:
-            step_shape = (inputs.shape[1:] if time_major
-                          else inputs.shape[:-2] + inputs.shape[-1:])
-            initial_carry = self.initialize_carry(step_shape, rngs)
+            initial_carry = self.initialize_carry(common.step_shape(inputs, time_major), rngs)
         kernel_i, bias_i, kernel_h, b_hn, mask = self._fused()
         carry, outputs = common.run_layer(
             self.cell_type, inputs, kernel_i, bias_i, kernel_h, mask, b_hn=b_hn,
