@@ -84,3 +84,31 @@ def random_problem(rng, cell, steps, batch, hidden, density, dtype, pattern="uni
     cast = (lambda a: None if a is None else np.asarray(a).astype(dtype))
     return dict(xp=cast(xp), carry=tuple(cast(c) for c in carry), kernel=cast(kernel),
                 mask=mask, b_hn=cast(b_hn))
+
+
+def make_lengths(rng, kind, steps, batch):
+    """seq_lengths of a kind: None, all T, or ragged with an empty and (B > 1) a full one."""
+    if kind == "none":
+        return None
+    if kind == "full":
+        return np.full(batch, steps, np.int32)
+    lengths = rng.integers(0, steps + 1, batch).astype(np.int32)
+    lengths[0] = 0
+    if batch > 1:
+        lengths[-1] = steps
+    return lengths
+
+
+def run_api(cell, xp, carry, w, b_hn=None, lengths=None, reverse=False, activation="tanh",
+            implementation="auto"):
+    """Calls sp.rnn / sp.lstm / sp.gru uniformly; returns (ys, carry tuple)."""
+    import jax_sprnn as sp  # noqa: PLC0415
+
+    if cell == "lstm":
+        return sp.lstm(xp, carry, w, lengths, reverse, implementation=implementation)
+    if cell == "gru":
+        ys, h = sp.gru(xp, carry[0], w, b_hn, lengths, reverse, implementation=implementation)
+    else:
+        ys, h = sp.rnn(xp, carry[0], w, activation, lengths, reverse,
+                       implementation=implementation)
+    return ys, (h,)

@@ -28,32 +28,10 @@ def _cases():
                            id=f"{cell}-{dtype}-T{shape[0]}B{shape[1]}H{shape[2]}-n{n}")
 
 
-def call(cell, p, w, lengths, reverse, implementation="auto", activation="tanh"):
-    if cell == "rnn":
-        ys, h = sp.rnn(p["xp"], p["carry"][0], w, activation, lengths, reverse,
-                       implementation=implementation)
-        return ys, (h,)
-    if cell == "lstm":
-        return sp.lstm(p["xp"], p["carry"], w, lengths, reverse, implementation=implementation)
-    ys, h = sp.gru(p["xp"], p["carry"][0], w, p["b_hn"], lengths, reverse,
-                   implementation=implementation)
-    return ys, (h,)
-
-
-def make_lengths(rng, kind, steps, batch):
-    if kind == "none":
-        return None
-    if kind == "full":
-        return np.full(batch, steps, np.int32)
-    lengths = rng.integers(0, steps + 1, batch).astype(np.int32)
-    lengths[0] = 0  # always include an empty sequence and a full one
-    lengths[-1] = steps if batch > 1 else lengths[-1]
-    return lengths
-
-
 def check_against_oracle(cell, p, lengths, reverse, activation="tanh", implementation="auto"):
     w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"])
-    ys, final = call(cell, p, w, lengths, reverse, implementation, activation)
+    ys, final = oracle.run_api(cell, p["xp"], p["carry"], w, p["b_hn"], lengths, reverse,
+                               activation, implementation)
     ref_ys, ref_final = oracle.run(cell, p["xp"], p["carry"], p["kernel"], lengths, p["b_hn"],
                                    reverse, activation)
     dtype = str(p["xp"].dtype)
@@ -76,7 +54,7 @@ def test_matches_oracle(cell, dtype, shape, density, pattern, lengths_kind, reve
     steps, batch, hidden = shape
     p = oracle.random_problem(rng, cell, steps, batch, hidden, density, jnp.dtype(dtype),
                               pattern)
-    lengths = make_lengths(rng, lengths_kind, steps, batch)
+    lengths = oracle.make_lengths(rng, lengths_kind, steps, batch)
     check_against_oracle(cell, p, lengths, reverse, implementation=implementation)
 
 

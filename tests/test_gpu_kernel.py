@@ -73,23 +73,11 @@ def kernel_forward(cell, xp, carry, w, lengths, b_hn=None, reverse=False, activa
     return outs[0], tuple(outs[1:1 + n_carry]), (outs[-1] if cell == "lstm" else None)
 
 
-def make_lengths(rng, kind, steps, batch):
-    if kind == "none":
-        return None
-    if kind == "full":
-        return np.full(batch, steps, np.int32)
-    lengths = rng.integers(0, steps + 1, batch).astype(np.int32)
-    lengths[0] = 0
-    if batch > 1:
-        lengths[-1] = steps
-    return lengths
-
-
 def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None):
     steps, batch, hidden, density, pattern = shape
     rng = np.random.default_rng(zlib.crc32(repr((cell, dtype, shape, variant, n)).encode()))
     p = oracle.random_problem(rng, cell, steps, batch, hidden, density, jnp.dtype(dtype), pattern)
-    lengths = make_lengths(rng, LENGTHS[n % 3], steps, batch)
+    lengths = oracle.make_lengths(rng, LENGTHS[n % 3], steps, batch)
     reverse = bool(n % 2)
     kw = {} if bank_period is None else dict(bank_period=bank_period)
     w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"], **kw)

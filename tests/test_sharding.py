@@ -35,11 +35,7 @@ def test_forward_runs_per_shard(mesh, cell):
     lens = jax.device_put(lengths, batch_major)
 
     def f(xp, carry, lengths):
-        if cell == "lstm":
-            return sp.lstm(xp, carry, w, lengths)
-        if cell == "gru":
-            return sp.gru(xp, carry[0], w, p["b_hn"], lengths)
-        return sp.rnn(xp, carry[0], w, "tanh", lengths)
+        return oracle.run_api(cell, xp, carry, w, p["b_hn"], lengths)
 
     fn = jax.jit(f)
     ys, _ = fn(xp, carry, lens)
