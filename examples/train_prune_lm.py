@@ -64,6 +64,7 @@ def run(cfg: charlm.Config, workdir: str, seed: int = 0, quiet: bool = False) ->
         nonlocal params, opt_state, masks, jmasks
         bar = tqdm(range(n), desc=desc, disable=quiet, mininterval=1.0, leave=True)
         loss = float("nan")
+        phase_start = time.perf_counter()
         for step in bar:
             if schedule is not None and schedule.should_update(step):
                 target = schedule.density(step)
@@ -79,6 +80,8 @@ def run(cfg: charlm.Config, workdir: str, seed: int = 0, quiet: bool = False) ->
                 loss = float(loss_arr)
                 density = np.mean(list(pruning.density_report(masks).values()))
                 bar.set_postfix(bpc=f"{loss:.3f}", density=f"{density:.3f}")
+        print(f"[train] {desc}: {n} steps in {time.perf_counter() - phase_start:.0f} s, "
+              f"train bpc {loss:.3f}", flush=True)
         return loss
 
     saved = []
