@@ -58,36 +58,49 @@ struct BatchVec {
   static SPRNN_CPU_INLINE void store(float* p, const type& v) { std::memcpy(p, &v, sizeof(v)); }
 };
 
-// out[b * bs] = sum_k v[k] * h[off[k] + b] over one packed row of n nonzeros.
+// out[b * bs] = sum_k v[k] * h[off[k] + b], b < kC, over one packed row of n nonzeros: one
+// kC-wide multiply-add per nonzero.
+template <int kC>
+SPRNN_CPU_INLINE void row_gemv_chunk(const float* __restrict v, const int32_t* __restrict off,
+                                     int64_t n, const float* __restrict h,
+                                     float* __restrict out, int64_t bs) {
+  using V = BatchVec<kC>;
+  using vec = typename V::type;
+  // Four independent accumulators hide the add latency of the dependent chain.
+  vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    a0 += v[k] * V::load(h + off[k]);
+    a1 += v[k + 1] * V::load(h + off[k + 1]);
+    a2 += v[k + 2] * V::load(h + off[k + 2]);
+    a3 += v[k + 3] * V::load(h + off[k + 3]);
+  }
+  for (; k < n; ++k) a0 += v[k] * V::load(h + off[k]);
+  const vec a = (a0 + a1) + (a2 + a3);
+  if (bs == 1) {
+    V::store(out, a);
+  } else {
+    for (int b = 0; b < kC; ++b) out[b * bs] = a[b];
+  }
+}
+
+// out[b * bs] = sum_k v[k] * h[off[k] + b] over one packed row of n nonzeros. kB > 0: the batch
+// is exactly kB; kB = 0: any B, in vector chunks of 8 and 4 columns plus a scalar tail.
 template <int kB>
 SPRNN_CPU_INLINE void row_gemv_body(const float* __restrict v, const int32_t* __restrict off,
                                     int64_t n, const float* __restrict h, int B,
                                     float* __restrict out, int64_t bs) {
   if constexpr (kB > 0) {
-    using V = BatchVec<kB>;
-    using vec = typename V::type;
-    // Four independent accumulators hide the add latency of the dependent chain.
-    vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    int64_t k = 0;
-    for (; k + 4 <= n; k += 4) {
-      a0 += v[k] * V::load(h + off[k]);
-      a1 += v[k + 1] * V::load(h + off[k + 1]);
-      a2 += v[k + 2] * V::load(h + off[k + 2]);
-      a3 += v[k + 3] * V::load(h + off[k + 3]);
-    }
-    for (; k < n; ++k) a0 += v[k] * V::load(h + off[k]);
-    const vec a = (a0 + a1) + (a2 + a3);
-    if (bs == 1) {
-      V::store(out, a);
-    } else {
-      for (int b = 0; b < kB; ++b) out[b * bs] = a[b];
-    }
+    row_gemv_chunk<kB>(v, off, n, h, out, bs);
   } else {
-    for (int b = 0; b < B; ++b) out[b * bs] = 0.0f;
-    for (int64_t k = 0; k < n; ++k) {
+    int b0 = 0;
+    for (; b0 + 8 <= B; b0 += 8) row_gemv_chunk<8>(v, off, n, h + b0, out + b0 * bs, bs);
+    for (; b0 + 4 <= B; b0 += 4) row_gemv_chunk<4>(v, off, n, h + b0, out + b0 * bs, bs);
+    for (int b = b0; b < B; ++b) out[b * bs] = 0.0f;
+    for (int64_t k = 0; k < n && b0 < B; ++k) {
       const float* hk = h + off[k];
       const float vk = v[k];
-      for (int b = 0; b < B; ++b) out[b * bs] += vk * hk[b];
+      for (int b = b0; b < B; ++b) out[b * bs] += vk * hk[b];
     }
   }
 }
