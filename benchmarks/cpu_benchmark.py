@@ -2,7 +2,8 @@
 
     python benchmarks/cpu_benchmark.py [--hidden 1024 --batch 4 --steps 128 --density 0.1]
 
-Prints the median time per call and per step of each, and the speed-up, for rnn, lstm, gru.
+Prints the median time per call and per step of each (calls alternate between the two), and
+the speed-up, for rnn, lstm, gru.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from jax_sprnn import reference
 GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 
 
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
+def median_seconds(fns, *args, repeats: int) -> list:
+    """Median time of each function; calls alternate so load drifts hit all of them alike."""
+    for fn in fns:
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times]
 
 
 def bench_cell(cell, hidden, batch, steps, density, dtype, repeats, rng):
@@ -54,10 +58,10 @@ def bench_cell(cell, hidden, batch, steps, density, dtype, repeats, rng):
         return reference.recurrence(cell, xp, carry, dense_kernel, lengths,
                                     b_hn if cell == "gru" else None)
 
-    t_sparse = median_seconds(jax.jit(sparse), xp, carry, repeats=repeats)
-    t_dense = median_seconds(jax.jit(dense), xp, carry, repeats=repeats)
-    ys_s = np.asarray(jax.jit(sparse)(xp, carry)[0], np.float32)
-    ys_d = np.asarray(jax.jit(dense)(xp, carry)[0], np.float32)
+    sparse, dense = jax.jit(sparse), jax.jit(dense)
+    t_sparse, t_dense = median_seconds((sparse, dense), xp, carry, repeats=repeats)
+    ys_s = np.asarray(sparse(xp, carry)[0], np.float32)
+    ys_d = np.asarray(dense(xp, carry)[0], np.float32)
     err = np.linalg.norm(ys_s - ys_d) / max(np.linalg.norm(ys_d), 1e-30)
     return t_sparse, t_dense, err
 
@@ -69,7 +73,7 @@ def main():
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--density", type=float, default=0.1)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--cells", default="rnn,lstm,gru")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
