@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sprnn import reference, validation
+from jax_sprnn import _ffi, reference, validation
+from jax_sprnn.primitives import autodiff  # registers the primitives' lowerings
 from jax_sprnn.weights import SparseWeights
 
 # "auto": the compiled handler of the platform, or the pure-JAX fallback (with a warning) where
@@ -15,8 +16,6 @@ IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 
 def _require_compiled_kernel():
-    from jax_sprnn import _ffi  # noqa: PLC0415
-
     backend = jax.default_backend()
     targets = _ffi.CUDA_TARGETS if backend == "gpu" else _ffi.CPU_TARGETS
     if backend not in ("cpu", "gpu") or not targets:
@@ -44,8 +43,6 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
     if implementation == "reference":
         return reference.recurrence(cell, xp, carry, w.to_dense(), lengths, b_hn,
                                     reverse=bool(reverse), activation=activation)
-    from jax_sprnn.primitives import autodiff  # noqa: PLC0415 (keeps import light)
-
     return autodiff.sparse_recurrence(cell, xp, carry, w, lengths, b_hn,
                                       reverse=bool(reverse), activation=activation)
 
