@@ -4,10 +4,11 @@ saves one Orbax checkpoint per density.
 
     python examples/train_prune_lm.py --config cpu --workdir runs/pruned_lm
 
-Stages: dense training (density 1.0 checkpoint), then for every further density a pruning
-stage (the sparsity rises from the previous density's along the cubic schedule, masks updated
-every ``prune_every`` steps, pruned weights never regrow) followed by fine-tuning with the mask
-fixed; the result is saved before the next, sparser stage starts from it.
+Stages: dense pre-training, then for every density (100% included) one stage of the same
+length that starts from the pre-trained model: a pruning phase (the sparsity rises from 0 along
+the cubic schedule, masks updated every ``prune_every`` steps, pruned weights never regrow)
+followed by fine-tuning with the mask fixed. Every checkpoint has had the same number of
+training steps, so the densities compare fairly (the 100% stage just trains on).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run(cfg: charlm.Config, workdir: str, seed: int = 0, quiet: bool = False) ->
     masks = pruning.ones_like_masks(params)
     jmasks = jax.tree_util.tree_map(jnp.asarray, masks)
 
-    def steps(n, desc, schedule=None, density_from=1.0):
+    def steps(n, desc, schedule=None):
         nonlocal params, opt_state, masks, jmasks
         bar = tqdm(range(n), desc=desc, disable=quiet, mininterval=1.0, leave=True)
         loss = float("nan")
@@ -68,7 +69,7 @@ def run(cfg: charlm.Config, workdir: str, seed: int = 0, quiet: bool = False) ->
         for step in bar:
             if schedule is not None and schedule.should_update(step):
                 target = schedule.density(step)
-                if target < density_from - 1e-9:
+                if target < 1.0 - 1e-9:
                     masks = pruning.magnitude_masks(jax.device_get(params), target,
                                                     previous=masks)
                     jmasks = jax.tree_util.tree_map(jnp.asarray, masks)
@@ -85,19 +86,21 @@ def run(cfg: charlm.Config, workdir: str, seed: int = 0, quiet: bool = False) ->
         return loss
 
     saved = []
-    train_bpc = steps(cfg.pretrain_steps, "dense training")
-    saved.append(_save(workdir, 1.0, params, masks, train_bpc))
-    previous = 1.0
-    for density in cfg.densities[1:]:
-        schedule = pruning.PolynomialSchedule(
-            final_sparsity=1.0 - density, initial_sparsity=1.0 - previous, begin_step=0,
-            end_step=cfg.prune_steps, frequency=cfg.prune_every)
-        # Pruning stage, then fine-tuning with the final mask fixed (the schedule's last
-        # update lands on step prune_steps, the first fine-tuning step).
-        train_bpc = steps(cfg.prune_steps + cfg.finetune_steps, f"prune to {density:.0%}",
-                          schedule=schedule, density_from=previous)
+    steps(cfg.pretrain_steps, "dense pre-training")
+    pretrained = (params, opt_state)  # immutable arrays: every stage starts from these
+    for density in cfg.densities:
+        params, opt_state = pretrained
+        masks = pruning.ones_like_masks(params)
+        jmasks = jax.tree_util.tree_map(jnp.asarray, masks)
+        schedule = None
+        if density < 1.0:  # pruning, then fine-tuning with the mask fixed (the schedule's
+            # last update lands on step prune_steps, the first fine-tuning step)
+            schedule = pruning.PolynomialSchedule(
+                final_sparsity=1.0 - density, initial_sparsity=0.0, begin_step=0,
+                end_step=cfg.prune_steps, frequency=cfg.prune_every)
+        desc = f"prune to {density:.0%}" if density < 1.0 else "dense, same steps"
+        train_bpc = steps(cfg.prune_steps + cfg.finetune_steps, desc, schedule=schedule)
         saved.append(_save(workdir, density, params, masks, train_bpc))
-        previous = density
     summary = {"config": cfg.name, "checkpoints": saved,
                "train_seconds": round(time.perf_counter() - start, 1)}
     charlm.write_json(Path(workdir) / "train_summary.json", summary)
