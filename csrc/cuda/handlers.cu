@@ -450,55 +450,50 @@ ffi::Error gru_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer length
 }
 
 }  // namespace
+
+// The stream and the operands every forward target starts with: xp, lengths, values, col_idx,
+// row_ptr (docs/INTERFACE.md).
+inline auto bind_prefix() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>();
+}
+
 }  // namespace sprnn::cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnRnnFwdCuda, sprnn::cuda::rnn_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .RemainingRets()
+                              sprnn::cuda::bind_prefix()
+                                  .Arg<ffi::AnyBuffer>()  // h0
+                                  .Ret<ffi::AnyBuffer>()  // ys
+                                  .Ret<ffi::AnyBuffer>()  // hT
+                                  .RemainingRets()        // workspace
                                   .Attr<bool>("reverse")
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("variant"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnLstmFwdCuda, sprnn::cuda::lstm_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .RemainingRets()
+                              sprnn::cuda::bind_prefix()
+                                  .Arg<ffi::AnyBuffer>()  // c0
+                                  .Arg<ffi::AnyBuffer>()  // h0
+                                  .Ret<ffi::AnyBuffer>()  // ys
+                                  .Ret<ffi::AnyBuffer>()  // cT
+                                  .Ret<ffi::AnyBuffer>()  // hT
+                                  .Ret<ffi::AnyBuffer>()  // cs
+                                  .RemainingRets()        // workspace
                                   .Attr<bool>("reverse")
                                   .Attr<int64_t>("variant"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnGruFwdCuda, sprnn::cuda::gru_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .RemainingRets()
+                              sprnn::cuda::bind_prefix()
+                                  .Arg<ffi::AnyBuffer>()  // h0
+                                  .Arg<ffi::AnyBuffer>()  // b_hn
+                                  .Ret<ffi::AnyBuffer>()  // ys
+                                  .Ret<ffi::AnyBuffer>()  // hT
+                                  .RemainingRets()        // workspace
                                   .Attr<bool>("reverse")
                                   .Attr<int64_t>("variant"));
 
