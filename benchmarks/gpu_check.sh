@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One GPU run: build, GPU tests + the whole suite, benchmark, ncu bank-conflict counts.
-# Everything goes under $OUT (default benchmarks/results/run). Usage:
-#   benchmarks/gpu_check.sh [all|tests|bench|quick]     (default all)
+# One GPU run: build, then the whole test suite, the benchmark (+ ncu bank-conflict counts) or
+# the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
+# benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
+#   benchmarks/gpu_check.sh [tests|bench|lm|quick|all]     (default all)
 set -uo pipefail
 MODE="${1:-all}"
 OUT="${OUT:-benchmarks/results/run}"
-export SPRNN_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# The tree sent to the GPU machine has no .git: take the commit from the caller if given.
+export SPRNN_COMMIT="${SPRNN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # The H200 needs only sm_90; the default 5-arch build is for wheels/CI (see BUILD_NOTES.md).
@@ -26,9 +28,10 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
   # Run pytest from outside the checkout so that the installed package (with its compiled
   # extensions) is imported, not the source tree.
   REPO="$(pwd)"
-  (cd /tmp && timeout 400 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" 2>&1) | tee "$OUT/test_gpu.log" | tail -25
-  if [ "$MODE" != quick ]; then
-    (cd /tmp && timeout 300 $PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1) | tee "$OUT/test_all.log" | tail -15
+  if [ "$MODE" = quick ]; then
+    (cd /tmp && timeout 400 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" 2>&1) | tee "$OUT/test_gpu.log" | tail -25
+  else  # the whole suite once (it includes the GPU kernel tests)
+    (cd /tmp && timeout 520 $PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1) | tee "$OUT/test_all.log" | tail -25
   fi
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
@@ -50,4 +53,9 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
       grep -E "bank_conflicts|wavefronts|inst_executed" "$OUT/ncu_variant$v.txt" | sed "s/^/variant $v: /"
     done | tee "$OUT/ncu_summary.txt"
   fi
+fi
+if [ "$MODE" = lm ]; then
+  REPO="$(pwd)"
+  (cd /tmp && timeout 520 $PY "$REPO/examples/pruned_lm.py" --config gpu --workdir /tmp/pruned_lm_gpu --quiet 2>&1) | tee "$OUT/pruned_lm_gpu.log" | tail -20
+  cp /tmp/pruned_lm_gpu/results.md /tmp/pruned_lm_gpu/results.json /tmp/pruned_lm_gpu/pruned_lm.png "$OUT/" 2>/dev/null
 fi
