@@ -61,7 +61,7 @@ CONFIGS = {
                   eval_batch=16, eval_chunk=256),
     # For a GPU: a 2-layer H=1024 model.
     "gpu": Config("gpu", hidden=1024, embed=128, layers=2, seq_len=128, batch=64, lr=2e-3,
-                  pretrain_steps=3000, prune_steps=1000, finetune_steps=500, prune_every=50,
+                  pretrain_steps=2000, prune_steps=600, finetune_steps=300, prune_every=30,
                   densities=(1.0, 0.3, 0.1, 0.05), train_chars=20_000_000, val_chars=262_144,
                   eval_batch=8, eval_chunk=512),
 }
