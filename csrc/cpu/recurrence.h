@@ -18,6 +18,7 @@
 #include "common/cells.h"
 #include "cpu/fast_math.h"
 #include "cpu/float_convert.h"
+#include "cpu/nz_streams.h"
 #include "cpu/team.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -27,14 +28,6 @@
 namespace sprnn::cpu {
 
 // ---- row kernels -----------------------------------------------------------------------------
-
-// The nonzeros as the row kernels read them: two streams, the weights in float32 and the
-// offsets col * B of their hidden units in a batch-contiguous state (no index multiply per
-// nonzero; two adjacent offsets come in one 64-bit load).
-struct NzStreams {
-  std::vector<float> v;
-  std::vector<int32_t> off;
-};
 
 #define SPRNN_CPU_INLINE inline __attribute__((always_inline))
 
@@ -339,19 +332,6 @@ std::vector<float> to_float_vec(const S* p, int64_t n) {
   return out;
 }
 
-// The nonzeros as streams of float32 weights and offsets col * B.
-template <typename S>
-NzStreams pack_nonzeros(const S* values, const int32_t* col, int64_t nnz, int64_t B) {
-  NzStreams nz;
-  nz.v.resize(static_cast<size_t>(nnz));
-  nz.off.resize(static_cast<size_t>(nnz));
-  for (int64_t k = 0; k < nnz; ++k) {
-    nz.v[k] = to_float(values[k]);
-    nz.off[k] = static_cast<int32_t>(col[k] * B);
-  }
-  return nz;
-}
-
 // (B, H) storage -> [H][B] float32.
 template <typename S>
 void load_transposed(const S* src, int64_t B, int64_t H, float* dst) {
@@ -583,7 +563,7 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
-  const NzStreams nz = detail::pack_nonzeros(io.values, io.col_idx, d.nnz, B);
+  NzBuffers nz(d.nnz);
   const int32_t* rp = io.row_ptr;
 
   // h: unit-major state for the rows, double-buffered (step s reads h[s % 2], writes the
@@ -610,6 +590,8 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
     const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
     int64_t u0 = split[tid], u1 = split[tid + 1], n = u1 - u0;
+    // All packing is done before the first barrier, ahead of any SoloSwitch takeover.
+    nz.pack(io.values, io.col_idx, rp[u0 * G], rp[u1 * G], B);
     bool alone = nthreads == 1;
     int64_t worked = 0, waited = 0, t0 = alone ? 0 : SoloSwitch::now_ns();
     detail::StepPlan plan = plan0;
@@ -619,7 +601,7 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
       const float* hc = h[cur].data();
       float* hn = h[nxt].data();
       float* hbn = hb[kGru ? nxt : 0].data();
-      kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, OutLayout{B * H, 1, H}, hc,
+      kern.rows(nz.v(), nz.off(), rp, u0, u1, G, OutLayout{B * H, 1, H}, hc,
                 static_cast<int>(B), pre.data());
       for (int64_t b = 0; b < B; ++b) {
         float* hnb = hbn + b * H;
@@ -689,7 +671,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
   const int64_t per_group = B / groups;
   const RowKernels kern = row_kernels(B);
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
-  const NzStreams nz = detail::pack_nonzeros(io.values, io.col_idx, nnz, B);
+  NzBuffers nz(nnz);
   const int32_t* rp = io.row_ptr;
 
   // dh / dc: gradient of the state after the current step (carried backwards in time).
@@ -719,6 +701,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
     const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
     const int64_t u0 = split[tid], u1 = split[tid + 1];
     const int64_t i0 = u0 * B, i1 = u1 * B, n = i1 - i0;
+    nz.pack(io.values, io.col_idx, rp[u0 * G], rp[u1 * G], B);  // the rows of these units
     float* acc = dh_acc[tid].data();
     detail::StepPlan plan = plan0;
     for (int64_t s = plan.steps - 1; s >= 0; --s) {
@@ -746,7 +729,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
       }
       barrier.wait();  // hprev complete: the rows below read all of it
       if constexpr (kRecompute) {
-        kern.rows(nz.v.data(), nz.off.data(), rp, u0, u1, G, OutLayout{HB, B, 1}, hprev.data(),
+        kern.rows(nz.v(), nz.off(), rp, u0, u1, G, OutLayout{HB, B, 1}, hprev.data(),
                   static_cast<int>(B), hw.data());
       }
       // The cell's derivative; dh_new gets the direct part of dh_prev.
@@ -781,7 +764,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
           for (int64_t b = 0; b < B; ++b) any |= dg[b] != 0.0f;
           if (!any) continue;
           const int64_t r = u * G + g;
-          kern.bwd(nz.v.data() + rp[r], nz.off.data() + rp[r], rp[r + 1] - rp[r],
+          kern.bwd(nz.v() + rp[r], nz.off() + rp[r], rp[r + 1] - rp[r],
                    hprev.data(), dg, static_cast<int>(B), static_cast<int>(groups), nnz, acc,
                    dv.data() + rp[r]);
         }

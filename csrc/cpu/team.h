@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/placement.h"
+
 namespace sprnn::cpu {
 
 inline void cpu_relax() {
@@ -149,6 +151,7 @@ void run_team(int want, F&& fn) {
   std::vector<std::thread> threads;
   threads.reserve(want - 1);
   bool started = true;
+  const HelperPlacement placement;
   try {
     for (int t = 1; t < want; ++t) {
       threads.emplace_back([&, t] {
@@ -156,6 +159,7 @@ void run_team(int want, F&& fn) {
         while ((s = state.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
         if (s == 1) fn(t, want, barrier);
       });
+      placement.apply(threads.back());
     }
   } catch (...) {
     started = false;
