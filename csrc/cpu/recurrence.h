@@ -19,6 +19,7 @@
 #include "cpu/fast_math.h"
 #include "cpu/float_convert.h"
 #include "cpu/nz_streams.h"
+#include "cpu/rebalance.h"
 #include "cpu/team.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -587,9 +588,10 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
 
   const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
   SoloSwitch solo(want);
+  std::vector<int64_t> window_ns(want, 0);
   run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
-    const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
-    int64_t u0 = split[tid], u1 = split[tid + 1], n = u1 - u0;
+    Rebalancer split(rp, G, H, nthreads, window_ns.data());
+    int64_t u0 = split.begin(tid), u1 = split.end(tid), n = u1 - u0;
     // All packing is done before the first barrier, ahead of any SoloSwitch takeover.
     nz.pack(io.values, io.col_idx, rp[u0 * G], rp[u1 * G], B);
     bool alone = nthreads == 1;
@@ -634,10 +636,16 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
       if (alone) continue;
       const int64_t t1 = SoloSwitch::now_ns();
       worked += t1 - t0;
+      split.record(tid, s, t1 - t0);
       solo.maybe_request(s, tid, worked, waited);
       barrier.wait();
       t0 = SoloSwitch::now_ns();
       if (s > 0) waited += t0 - t1;  // the first wait includes the threads' start-up
+      if (split.after_barrier(s)) {
+        u0 = split.begin(tid);
+        u1 = split.end(tid);
+        n = u1 - u0;
+      }
       if (const int owner = solo.owner_after(s); owner >= 0) {
         if (owner != tid) return;
         alone = true;

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/helper_pool.h"
 #include "cpu/placement.h"
 
 namespace sprnn::cpu {
@@ -113,20 +114,29 @@ inline int choose_threads(int64_t work, int64_t units) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, units)));
 }
 
-// Unit ranges [bounds[t], bounds[t+1]) with about equal cost; the cost of the units before u
-// is row_ptr[u * G] nonzeros plus a per-row overhead.
-inline std::vector<int64_t> split_units(const int32_t* row_ptr, int64_t G, int64_t H, int n) {
-  auto cost = [&](int64_t u) { return static_cast<int64_t>(row_ptr[u * G]) + 8 * G * u; };
+// The cost of the units before u: row_ptr[u * G] nonzeros plus a per-row overhead.
+inline int64_t split_cost(const int32_t* row_ptr, int64_t G, int64_t u) {
+  return static_cast<int64_t>(row_ptr[u * G]) + 8 * G * u;
+}
+
+// Unit ranges [bounds[t], bounds[t+1]) with costs in proportion to share[t] (null: equal).
+inline std::vector<int64_t> split_units(const int32_t* row_ptr, int64_t G, int64_t H, int n,
+                                        const double* share = nullptr) {
   std::vector<int64_t> bounds(n + 1, H);
   bounds[0] = 0;
-  const int64_t total = cost(H);
+  const int64_t total = split_cost(row_ptr, G, H);
+  double share_sum = 0.0;
+  for (int t = 0; t < n; ++t) share_sum += share ? share[t] : 1.0;
+  double before = 0.0;
   int64_t u = 0;
   for (int t = 1; t < n; ++t) {
-    const int64_t target = total * t / n;
+    before += share ? share[t - 1] : 1.0;
+    const int64_t target = share ? static_cast<int64_t>(total * (before / share_sum))
+                                 : total * t / n;
     int64_t lo = u, hi = H;  // first unit with cost >= target
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (cost(mid) < target) {
+      if (split_cost(row_ptr, G, mid) < target) {
         lo = mid + 1;
       } else {
         hi = mid;
@@ -137,8 +147,55 @@ inline std::vector<int64_t> split_units(const int32_t* row_ptr, int64_t G, int64
   return bounds;
 }
 
-// Runs fn(tid, nthreads, barrier) on `want` threads (the caller is tid 0) and joins them. If
-// the system refuses to start a thread, runs everything on the caller instead.
+// The start of a team: the caller waits (bounded) until every helper has checked in, then
+// decides for all of them. A helper can start milliseconds late (its CPU busy with another
+// process: 2.5-4 ms measured on the shared 2-vCPU VM, while a whole rnn call takes ~2.5 ms);
+// then the caller runs the call alone and the helpers, whenever they start, leave.
+class Roster {
+ public:
+  static constexpr int64_t kWaitNs = 1000000;
+
+  explicit Roster(int helpers) : helpers_(helpers) {}
+
+  // Helper: true if the team runs with it.
+  bool check_in() {
+    arrived_.fetch_add(1, std::memory_order_acq_rel);
+    int d;
+    for (int spins = 0; (d = decision_.load(std::memory_order_acquire)) == kPending; ++spins)
+      spins < 100 ? cpu_relax() : std::this_thread::yield();
+    return d == kGo;
+  }
+
+  // Caller: true if every helper checked in within kWaitNs (`possible` false: some could not
+  // be started, decide at once).
+  bool await_all(bool possible) {
+    if (possible) {
+      const int64_t deadline = SoloSwitch::now_ns() + kWaitNs;
+      for (int spins = 0; arrived_.load(std::memory_order_acquire) < helpers_; ++spins) {
+        if (spins < 100) {
+          cpu_relax();
+        } else {
+          if (SoloSwitch::now_ns() > deadline) break;
+          std::this_thread::yield();
+        }
+      }
+    }
+    const bool all = possible && arrived_.load(std::memory_order_acquire) == helpers_;
+    decision_.store(all ? kGo : kLeave, std::memory_order_release);
+    return all;
+  }
+
+ private:
+  static constexpr int kPending = 0, kGo = 1, kLeave = 2;
+  const int helpers_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> decision_{kPending};
+};
+
+// Runs fn(tid, nthreads, barrier) on `want` threads (the caller is tid 0) and returns when all
+// are done: on the pool's helpers, else on threads started for this call. If not every helper
+// starts in time (Roster), or the system refuses to start one, the caller runs everything alone
+// (nthreads = 1).
 template <class F>
 void run_team(int want, F&& fn) {
   if (want <= 1) {
@@ -147,30 +204,39 @@ void run_team(int want, F&& fn) {
     return;
   }
   SpinBarrier barrier(want);
-  std::atomic<int> state{0};  // 0: wait, 1: go, 2: abandoned
+  Roster roster(want - 1);
+  struct Ctx {
+    F* fn;
+    int want;
+    SpinBarrier* barrier;
+    Roster* roster;
+    bool possible;
+  } ctx{&fn, want, &barrier, &roster, true};
+  auto job = [](void* p, int tid) {
+    Ctx& c = *static_cast<Ctx*>(p);
+    if (tid > 0) {
+      if (c.roster->check_in()) (*c.fn)(tid, c.want, *c.barrier);
+    } else if (c.roster->await_all(c.possible)) {
+      (*c.fn)(0, c.want, *c.barrier);
+    } else {
+      SpinBarrier single(1);
+      (*c.fn)(0, 1, single);
+    }
+  };
+  if (HelperPool::instance().run(want, job, &ctx)) return;
   std::vector<std::thread> threads;
   threads.reserve(want - 1);
-  bool started = true;
   const HelperPlacement placement;
   try {
     for (int t = 1; t < want; ++t) {
-      threads.emplace_back([&, t] {
-        int s;
-        while ((s = state.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
-        if (s == 1) fn(t, want, barrier);
-      });
-      placement.apply(threads.back());
+      threads.emplace_back(job, &ctx, t);
+      placement.apply(threads.back().native_handle());
     }
   } catch (...) {
-    started = false;
+    ctx.possible = false;
   }
-  state.store(started ? 1 : 2, std::memory_order_release);
-  if (started) fn(0, want, barrier);
+  job(&ctx, 0);
   for (std::thread& t : threads) t.join();
-  if (!started) {
-    SpinBarrier single(1);
-    fn(0, 1, single);
-  }
 }
 
 }  // namespace sprnn::cpu
