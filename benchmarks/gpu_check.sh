@@ -15,7 +15,7 @@ export SPRNN_CUDA_ARCHS="${SPRNN_CUDA_ARCHS:-90}"
 PY=python3
 {
   echo "date: $(date -Iseconds)"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
-  git rev-parse HEAD 2>/dev/null || true
+  echo "commit: $SPRNN_COMMIT"
 } | tee "$OUT/env.txt"
 
 t0=$(date +%s)
