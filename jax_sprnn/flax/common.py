@@ -257,3 +257,22 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
         ys = flip_sequences(ys, lengths, time_axis=0)
     carry = jax.tree_util.tree_map(lambda c: _unflat_batch(c, layout), carry)
     return carry, from_time_major(ys, layout)
+
+
+CALL_OPTIONS = ("return_carry", "time_major", "reverse", "keep_order")
+
+
+def call_options(layer, **given) -> dict:
+    """A layer call's options: those given to the call, else the layer's attributes (as nn.RNN)."""
+    return {k: getattr(layer, k) if given.get(k) is None else given[k] for k in CALL_OPTIONS}
+
+
+def run_module(layer, inputs, params, options: dict, initial_carry, seq_lengths):
+    """Runs a linen or nnx sparse layer: ``params`` = (kernel_i, bias_i, kernel_h, b_hn, mask)."""
+    kernel_i, bias_i, kernel_h, b_hn, mask = params
+    carry, outputs = run_layer(
+        layer.cell_type, inputs, kernel_i, bias_i, kernel_h, mask, b_hn=b_hn,
+        activation=layer._activation(), dtype=layer.dtype, initial_carry=initial_carry,
+        seq_lengths=seq_lengths, time_major=options["time_major"], reverse=options["reverse"],
+        keep_order=options["keep_order"], implementation=layer.implementation)
+    return (carry, outputs) if options["return_carry"] else outputs

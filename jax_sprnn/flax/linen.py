@@ -164,25 +164,18 @@ class _SparseRNNBase(nn.Module):
         inputs: ``(*batch, time, features)`` (``(time, *batch, features)`` if ``time_major``).
         Outputs at padding positions (``t >= seq_lengths``) are zeros.
         """
-        return_carry = self.return_carry if return_carry is None else return_carry
-        time_major = self.time_major if time_major is None else time_major
-        reverse = self.reverse if reverse is None else reverse
-        keep_order = self.keep_order if keep_order is None else keep_order
-
+        options = common.call_options(self, return_carry=return_carry, time_major=time_major,
+                                      reverse=reverse, keep_order=keep_order)
         kernel_i, bias_i, kernel_h, b_hn = _CellParams(
             self.cell_type, self.features, self.kernel_init, self.recurrent_kernel_init,
             self.bias_init, self.param_dtype, name="cell")(inputs.shape[-1])
         if initial_carry is None:
             initial_carry = self.initialize_carry(
                 jax.random.key(0) if init_key is None else init_key,
-                common.step_shape(inputs, time_major))
+                common.step_shape(inputs, options["time_major"]))
         kernel_h, mask = self._kernel_and_mask(kernel_h, self.static_mask)
-        carry, outputs = common.run_layer(
-            self.cell_type, inputs, kernel_i, bias_i, kernel_h, mask, b_hn=b_hn,
-            activation=self._activation(), dtype=self.dtype, initial_carry=initial_carry,
-            seq_lengths=seq_lengths, time_major=time_major, reverse=reverse,
-            keep_order=keep_order, implementation=self.implementation)
-        return (carry, outputs) if return_carry else outputs
+        return common.run_module(self, inputs, (kernel_i, bias_i, kernel_h, b_hn, mask), options,
+                                 initial_carry, seq_lengths)
 
 
 

@@ -106,19 +106,12 @@ class _SparseRNNBase(nnx.Module):
 
         Outputs at padding positions (``t >= seq_lengths``) are zeros.
         """
-        return_carry = self.return_carry if return_carry is None else return_carry
-        time_major = self.time_major if time_major is None else time_major
-        reverse = self.reverse if reverse is None else reverse
-        keep_order = self.keep_order if keep_order is None else keep_order
+        options = common.call_options(self, return_carry=return_carry, time_major=time_major,
+                                      reverse=reverse, keep_order=keep_order)
         if initial_carry is None and self.carry_init is not None:
-            initial_carry = self.initialize_carry(common.step_shape(inputs, time_major), rngs)
-        kernel_i, bias_i, kernel_h, b_hn, mask = self._fused()
-        carry, outputs = common.run_layer(
-            self.cell_type, inputs, kernel_i, bias_i, kernel_h, mask, b_hn=b_hn,
-            activation=self._activation(), dtype=self.dtype, initial_carry=initial_carry,
-            seq_lengths=seq_lengths, time_major=time_major, reverse=reverse,
-            keep_order=keep_order, implementation=self.implementation)
-        return (carry, outputs) if return_carry else outputs
+            initial_carry = self.initialize_carry(
+                common.step_shape(inputs, options["time_major"]), rngs)
+        return common.run_module(self, inputs, self._fused(), options, initial_carry, seq_lengths)
 
 
 class SparseLSTM(_SparseRNNBase):
