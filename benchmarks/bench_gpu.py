@@ -272,13 +272,34 @@ def main():
         lines += ["", "## Batch sweep (ReLU H=1152, d=10%, fp16)", "",
                   "| B | ours | JAX scan | scan unroll 8 | scan unroll 32 | best peer |",
                   "|---|---|---|---|---|---|"]
-        for B in ([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]):
+        for B in ([1, 4, 8, 16, 32, 64] if args.quick else [1, 2, 4, 8, 16, 17, 32, 33, 64]):
             r = bench_config("rnn", "relu", 1152, B, T, 0.1, jnp.float16)
             res["batch"].append(r)
             lines.append(f"| {B} | {r['sparse_persistent']:.2f} | {r['jax_scan']:.2f} | "
                          f"{r['jax_scan_unroll8']:.2f} | {r['jax_scan_unroll32']:.2f} | "
                          f"{r['best_peer']:.2f} |")
             save()
+        # B=64 (two tiles of 32): blocks (L2 reads of h per step scale with them), the
+        # needed-column filter and the tile, all read by the handler at each call.
+        kernel, mask, xp, h0 = problem("rnn", 1152, 64, T, 0.1, jnp.float16)
+        w = sp.SparseWeights.from_dense(kernel, mask)
+        f, c0 = method_kernel("rnn", "relu", w, xp, (h0,))
+        row = dict(cell="rnn", H=1152, B=64, density=0.1, sweep="b64_knobs")
+        knobs = [{}, {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BLOCKS": "33"},
+                 {"SPRNN_CUDA_COL_FILTER": "0"}, {"SPRNN_CUDA_BLOCKS": "66", "SPRNN_CUDA_COL_FILTER": "0"},
+                 {"SPRNN_CUDA_BT": "16"}, {"SPRNN_CUDA_BT": "8"}]
+        for kn in knobs:
+            os.environ.update(kn)
+            try:
+                row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
+            finally:
+                for k in kn:
+                    os.environ.pop(k, None)
+        print(json.dumps(row), flush=True)
+        res["batch_knobs"] = row
+        lines += ["", "B=64 knobs (us/step; {} = default: 132 blocks, BT=32, column filter on):", ""]
+        lines += [f"- {k}: {v:.2f}" for k, v in row.items() if k.startswith("{")]
+        save()
     if args.sweeps:
         for d in [0.01, 0.05, 0.1, 0.3, 0.5]:
             r = bench_config("rnn", "relu", 1152, 4, T, d, jnp.float16)

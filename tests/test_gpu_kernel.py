@@ -73,10 +73,16 @@ def kernel_forward(cell, xp, carry, w, lengths, b_hn=None, reverse=False, activa
     return outs[0], tuple(outs[1:1 + n_carry]), (outs[-1] if cell == "lstm" else None)
 
 
-def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None):
+def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None, band=None):
     steps, batch, hidden, density, pattern = shape
     rng = np.random.default_rng(zlib.crc32(repr((cell, dtype, shape, variant, n)).encode()))
-    p = oracle.random_problem(rng, cell, steps, batch, hidden, density, jnp.dtype(dtype), pattern)
+    p = oracle.random_problem(rng, cell, steps, batch, hidden, density, jnp.dtype(dtype), pattern,
+                              scale=None if band is None else 0.7)
+    if band is not None:  # output j reads only inputs within `band` of j % H (block-local)
+        i = np.arange(hidden)[:, None]
+        j = np.arange(p["mask"].shape[1])[None, :] % hidden
+        p["mask"] = np.abs(i - j) <= band
+        p["kernel"] = (np.asarray(p["kernel"], np.float32) * p["mask"]).astype(jnp.dtype(dtype))
     lengths = oracle.make_lengths(rng, LENGTHS[n % 3], steps, batch)
     reverse = bool(n % 2)
     kw = {} if bank_period is None else dict(bank_period=bank_period)
@@ -123,6 +129,65 @@ def test_relu_large_and_wide_batch(dtype):
     for n, shape in enumerate([(8, 4, 5760, 0.1, "uniform"), (6, 64, 1152, 0.1, "uniform"),
                                (3, 33, 700, 0.3, "skewed")]):
         check("rnn", dtype, shape, 3, n, activation="relu")
+
+
+# Batch tiles of 16 and 32 (the "batch lanes" row mapping, several lanes per nonzero) and
+# batches over several of them: B=16 -> one tile of 16, 17 -> one of 32 with 15 padding
+# columns, 33 -> two of 32 (the second with one real column), 64 -> two full tiles.
+LARGE_B_SHAPES = [
+    (9, 16, 300, 0.2, "uniform"),
+    (7, 17, 129, 0.3, "skewed"),
+    (6, 33, 517, 0.1, "empty_rows"),
+    (5, 64, 1152, 0.1, "uniform"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_large_batch_tiles(cell, dtype):
+    for shape in LARGE_B_SHAPES:
+        for n in (1, 4):  # ragged lengths (with 0 and T), reverse and forward
+            check(cell, dtype, shape, 3, n)
+    check(cell, dtype, (6, 33, 517, 0.1, "uniform"), 1, 1, bank_period=0)  # barrier exchange
+
+
+def test_large_batch_tile_plans():
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    nnz = int(0.1 * 1152 * 1152)
+    for dtype, B, bt, tiles in [(jnp.float16, 8, 8, 1), (jnp.float16, 9, 16, 1),
+                                (jnp.float16, 17, 32, 1), (jnp.float16, 64, 32, 2),
+                                (jnp.float32, 5, 8, 1), (jnp.float32, 33, 32, 2),
+                                (jnp.bfloat16, 16, 16, 1)]:
+        info = cuda_lowering.plan("rnn", dtype, 1152, B, nnz)
+        assert info["persistent"] and info["on_chip"], info
+        assert (info["batch_tile"], info["tiles"]) == (bt, tiles), (dtype, B, info)
+        if bt >= 16:
+            assert info["threads"] <= 512, info
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forced_tiles_and_column_filter(dtype, monkeypatch):
+    # Several tiles of 16 with a ragged last one, and tiles of 32 / 16 with the filter off.
+    monkeypatch.setenv("SPRNN_CUDA_BT", "16")
+    check("lstm", dtype, (5, 40, 300, 0.2, "uniform"), 3, 1)
+    check("rnn", dtype, (5, 64, 1152, 0.1, "uniform"), 3, 4, activation="relu")
+    monkeypatch.setenv("SPRNN_CUDA_BT", "32")
+    check("gru", dtype, (5, 20, 129, 0.3, "skewed"), 3, 1)
+    monkeypatch.setenv("SPRNN_CUDA_COL_FILTER", "0")
+    check("rnn", dtype, (6, 33, 517, 0.1, "uniform"), 3, 1)
+    monkeypatch.delenv("SPRNN_CUDA_BT")
+    check("gru", dtype, (6, 17, 1152, 0.1, "uniform"), 3, 4)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_block_local_weights_long_sequence(cell):
+    # A banded matrix: a block's rows read only its own and neighbouring units, so with the
+    # column filter the blocks depend on each other only through the one unit per block every
+    # block reads (the Lamport two-slot rule). 96 steps, 132 blocks: a block running two
+    # steps ahead would overwrite words a slower block still waits for (timeout error).
+    check(cell, "float16", (96, 17, 1152, 1.0, "uniform"), 3, 1, band=1)
+    check(cell, "float32", (40, 33, 700, 1.0, "uniform"), 3, 4, band=0)
 
 
 def test_lstm_h4096_on_chip_plan():

@@ -85,9 +85,15 @@ long long round_up(long long x, long long m) { return (x + m - 1) / m * m; }
 // Depends only on the shapes so that the lowering can size it without a device.
 constexpr long long kHeaderBytes = 256;
 long long counters_bytes(long long B) { return round_up(4 * std::max<long long>(B, 1), 256); }
+// Batch columns the exchange buffer holds per slot: B rounded up to the batch tile. Tiles of
+// 16 and 32 are only planned when B > 8, so that small batches keep a small workspace.
+long long exchange_cols(long long B) {
+  B = std::max<long long>(B, 1);
+  return round_up(B, B > 8 ? 32 : 8);
+}
 long long workspace_bytes(int gates, int dtype, long long H, long long B) {
   (void)gates;
-  const long long bpad = round_up(std::max<long long>(B, 1), 8);
+  const long long bpad = exchange_cols(B);
   const long long xbuf = 2 * bpad * H * x_bytes_of(dtype);
   const long long step = 3 * std::max<long long>(B, 1) * H * 4;
   return kHeaderBytes + counters_bytes(B) + std::max(xbuf, step);
@@ -126,21 +132,25 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
   const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
   const bool lstm = gates == 4;
 
-  // Batch tiles, largest first: the largest whose weights fit on chip wins. SPRNN_CUDA_BT
-  // forces one (benchmarks).
-  int cands[4];
+  // Batch tiles, largest first, starting from the smallest tile that holds the whole batch
+  // (B = 5..8 -> 8, 9..16 -> 16, > 16 -> 32): every tile is one more exchange round per step
+  // (~3.3 us at ReLU H=1152, benchmarks/NOTES.md), while the padding columns of a tile larger
+  // than B only add compute. So 16-bit B = 5..8 keeps BT = 8 (one round, no padding) and
+  // B > 32 takes 32 (ceil(B / 32) rounds). The largest whose weights fit on chip wins (below).
+  // SPRNN_CUDA_BT forces one (benchmarks), if the workspace holds its padded batch.
+  int cands[6];
   int nc = 0;
   const long long force_bt = env_int("SPRNN_CUDA_BT", 0);
   if (!pl.wide) {
     cands[nc++] = 4;
   } else {
-    if (dtype != 0 && B >= 5) cands[nc++] = 8;
-    if (B >= 3) cands[nc++] = 4;
-    if (B >= 2) cands[nc++] = 2;
-    cands[nc++] = 1;
-    if (force_bt == 1 || force_bt == 2 || force_bt == 4 || (force_bt == 8 && dtype != 0)) {
-      cands[0] = static_cast<int>(force_bt);
-      nc = 1;
+    for (int bt : {32, 16, 8, 4, 2, 1})
+      if ((bt == 1 || 2 * B > bt) && round_up(B, bt) <= exchange_cols(B)) cands[nc++] = bt;
+    for (int bt : {32, 16, 8, 4, 2, 1}) {
+      if (force_bt == bt && round_up(B, bt) <= exchange_cols(B)) {
+        cands[0] = bt;
+        nc = 1;
+      }
     }
   }
   bool found = false, best_good = false;
@@ -185,6 +195,8 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
   // 1024 when a block has much to read or compute (6.35 vs 7.25 at H=5760).
   if (env_int("SPRNN_CUDA_THREADS", 0) == 0)
     best.threads = (H * best.bt <= 8192 && pl.w_need <= 8192) ? 512 : 1024;
+  // Tiles of 16 and 32 are built for 512 threads (128 registers; kernel_core.cuh).
+  best.threads = std::min(best.threads, max_threads_of_tile(best.bt));
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
@@ -329,6 +341,8 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.reverse = reverse ? 1 : 0;
   p.timeout_ns = env_int("SPRNN_CUDA_TIMEOUT_MS", 5000) * 1000000LL;
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
+  // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
+  p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)

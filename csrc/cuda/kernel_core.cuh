@@ -8,7 +8,9 @@
 // batch tile of BT sequences, every block:
 //   1. gathers h_{s-1} (H x BT) from the exchange buffer in global memory into shared memory,
 //   2. computes its rows' dot products (one warp per packed row, lanes split the nonzeros,
-//      float32 accumulation, warp-shuffle reduction),
+//      float32 accumulation, warp-shuffle reduction; for tiles wider than 16 bytes of h per
+//      lane, i.e. BT = 16, 32 and float32 8, BT / kNV lanes share each nonzero, each with kNV
+//      batch columns: the "batch lanes" mapping, same code with other constants),
 //   3. applies the cell to its units and publishes h_s to the exchange buffer.
 // Exchange (two slots, s % 2):
 //   barrier mode: raw values, then a grid-wide barrier (one counter per batch tile, bounded spin);
@@ -21,6 +23,8 @@
 // into an error.
 // Layouts (template kWide): naive h_s[b][H] with BT scalar loads per nonzero (variant a), or
 // wide h_s[H][BT] with one vector load per nonzero (variants b-d).
+// Tiles of 16 and 32 are built for 512 threads (128 registers) and gather only the h units
+// their rows read plus one unit per block (p.col_filter, see the prologue of persistent_fwd).
 #pragma once
 
 #if defined(__CUDACC_RTC__)
@@ -66,6 +70,7 @@ struct Params {
   int w_cap;              // nonzeros per block kept in shared memory
   long long timeout_ns;   // per wait
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
+  int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -220,85 +225,103 @@ __device__ __forceinline__ void load_x(const X* p, X* w) {
 
 // h_s element access. Wide: h_s[u * BT + b] (the BT values of a unit are contiguous, so one
 // vector load of sizeof(S) * BT bytes fetches them). Naive: h_s[b * H + u].
-template <class S, int BT, bool kWide>
-__device__ __forceinline__ void store_h(S* h_s, int H, int u, const uint32_t* bits) {
+// store_h writes one chunk of N values: wide, chunk `item` = elements [item * N, item * N + N)
+// (a unit is BT / N consecutive chunks); naive, N == BT and item is the unit.
+template <class S, int BT, int N, bool kWide>
+__device__ __forceinline__ void store_h(S* h_s, int H, int item, const uint32_t* bits) {
+  static_assert(kWide || N == BT, "the naive layout stores whole units");
   if constexpr (kWide) {
+    const int e = item * N;
     if constexpr (sizeof(S) == 4) {
-      if constexpr (BT % 4 == 0) {
+      if constexpr (N % 4 == 0) {
 #pragma unroll
-        for (int i = 0; i < BT; i += 4)
-          *reinterpret_cast<uint4*>(h_s + u * BT + i) = make_uint4(bits[i], bits[i + 1], bits[i + 2], bits[i + 3]);
+        for (int i = 0; i < N; i += 4)
+          *reinterpret_cast<uint4*>(h_s + e + i) = make_uint4(bits[i], bits[i + 1], bits[i + 2], bits[i + 3]);
       } else {
 #pragma unroll
-        for (int i = 0; i < BT; ++i) reinterpret_cast<uint32_t*>(h_s)[u * BT + i] = bits[i];
+        for (int i = 0; i < N; ++i) reinterpret_cast<uint32_t*>(h_s)[e + i] = bits[i];
       }
     } else {
-      if constexpr (BT % 2 == 0) {
+      if constexpr (N % 8 == 0) {
 #pragma unroll
-        for (int i = 0; i < BT; i += 2)
-          reinterpret_cast<uint32_t*>(h_s)[(u * BT + i) / 2] = (bits[i] & 0xffffu) | (bits[i + 1] << 16);
+        for (int i = 0; i < N; i += 8)
+          *reinterpret_cast<uint4*>(h_s + e + i) =
+              make_uint4((bits[i] & 0xffffu) | (bits[i + 1] << 16), (bits[i + 2] & 0xffffu) | (bits[i + 3] << 16),
+                         (bits[i + 4] & 0xffffu) | (bits[i + 5] << 16), (bits[i + 6] & 0xffffu) | (bits[i + 7] << 16));
+      } else if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 2)
+          reinterpret_cast<uint32_t*>(h_s)[(e + i) / 2] = (bits[i] & 0xffffu) | (bits[i + 1] << 16);
       } else {
 #pragma unroll
-        for (int i = 0; i < BT; ++i) h_s[u * BT + i] = static_cast<S>(bits[i]);
+        for (int i = 0; i < N; ++i) h_s[e + i] = static_cast<S>(bits[i]);
       }
     }
   } else {
 #pragma unroll
     for (int i = 0; i < BT; ++i) {
       if constexpr (sizeof(S) == 4) {
-        reinterpret_cast<uint32_t*>(h_s)[i * H + u] = bits[i];
+        reinterpret_cast<uint32_t*>(h_s)[i * H + item] = bits[i];
       } else {
-        h_s[i * H + u] = static_cast<S>(bits[i]);
+        h_s[i * H + item] = static_cast<S>(bits[i]);
       }
     }
   }
 }
 
-// Loads the BT h values of column `col` as float32.
-template <DType D, int BT, bool kWide>
-__device__ __forceinline__ void gather_h(const typename Tr<D>::S* h_s, int H, int col, float* out) {
+// Loads N contiguous h values at p (aligned to N * sizeof(S) bytes, or 16) as float32.
+template <DType D, int N>
+__device__ __forceinline__ void load_vals(const typename Tr<D>::S* p, float* out) {
   using S = typename Tr<D>::S;
-  if constexpr (kWide) {
-    constexpr int kBytes = static_cast<int>(sizeof(S)) * BT;
-    const S* p = h_s + col * BT;
-    if constexpr (kBytes >= 16) {
+  constexpr int kBytes = static_cast<int>(sizeof(S)) * N;
+  if constexpr (kBytes >= 16) {
 #pragma unroll
-      for (int i = 0; i < kBytes / 16; ++i) {
-        const uint4 v = reinterpret_cast<const uint4*>(p)[i];
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if constexpr (sizeof(S) == 4) {
-            out[i * 4 + j] = __uint_as_float(w[j]);
-          } else {
-            out[i * 8 + 2 * j] = Tr<D>::bits_to_f(w[j] & 0xffffu);
-            out[i * 8 + 2 * j + 1] = Tr<D>::bits_to_f(w[j] >> 16);
-          }
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (sizeof(S) == 4) {
+          out[i * 4 + j] = __uint_as_float(w[j]);
+        } else {
+          out[i * 8 + 2 * j] = Tr<D>::bits_to_f(w[j] & 0xffffu);
+          out[i * 8 + 2 * j + 1] = Tr<D>::bits_to_f(w[j] >> 16);
         }
       }
-    } else if constexpr (kBytes == 8) {
-      const uint2 v = *reinterpret_cast<const uint2*>(p);
-      if constexpr (sizeof(S) == 4) {
-        out[0] = __uint_as_float(v.x);
-        out[1] = __uint_as_float(v.y);
-      } else {
-        out[0] = Tr<D>::bits_to_f(v.x & 0xffffu);
-        out[1] = Tr<D>::bits_to_f(v.x >> 16);
-        out[2] = Tr<D>::bits_to_f(v.y & 0xffffu);
-        out[3] = Tr<D>::bits_to_f(v.y >> 16);
-      }
-    } else if constexpr (kBytes == 4) {
-      const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
-      if constexpr (sizeof(S) == 4) {
-        out[0] = __uint_as_float(v);
-      } else {
-        out[0] = Tr<D>::bits_to_f(v & 0xffffu);
-        out[1] = Tr<D>::bits_to_f(v >> 16);
-      }
+    }
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    if constexpr (sizeof(S) == 4) {
+      out[0] = __uint_as_float(v.x);
+      out[1] = __uint_as_float(v.y);
     } else {
-      out[0] = Tr<D>::to_f(p[0]);
+      out[0] = Tr<D>::bits_to_f(v.x & 0xffffu);
+      out[1] = Tr<D>::bits_to_f(v.x >> 16);
+      out[2] = Tr<D>::bits_to_f(v.y & 0xffffu);
+      out[3] = Tr<D>::bits_to_f(v.y >> 16);
+    }
+  } else if constexpr (kBytes == 4) {
+    const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
+    if constexpr (sizeof(S) == 4) {
+      out[0] = __uint_as_float(v);
+    } else {
+      out[0] = Tr<D>::bits_to_f(v & 0xffffu);
+      out[1] = Tr<D>::bits_to_f(v >> 16);
     }
   } else {
+    out[0] = Tr<D>::to_f(p[0]);
+  }
+}
+
+// Loads the N h values of column `col` that this lane accumulates (batch columns [b0, b0 + N)
+// of the tile) as float32. Naive: N == BT, b0 == 0.
+template <DType D, int BT, int N, bool kWide>
+__device__ __forceinline__ void gather_h(const typename Tr<D>::S* h_s, int H, int col, int b0,
+                                         float* out) {
+  if constexpr (kWide) {
+    load_vals<D, N>(h_s + col * BT + b0, out);
+  } else {
+    static_assert(N == BT, "the naive layout gathers whole units");
 #pragma unroll
     for (int i = 0; i < BT; ++i) out[i] = Tr<D>::to_f(h_s[i * H + col]);
   }
@@ -328,12 +351,34 @@ __device__ __forceinline__ void unit_range(const Params& p, int G, int j, int nb
   u1 = j == nb - 1 ? p.H : partition_unit(p.row_ptr, G, p.H, p.alpha, t1);
 }
 
+// Sets the bits of the h units a block reads (kernel_core's col_filter): the columns of its
+// nonzeros [kb0, kb1) and the first unit of every non-empty block.
+__device__ __forceinline__ void mark_columns(const Params& p, int G, long long kb0, long long kb1,
+                                          uint32_t* cmask) {
+#pragma unroll 1
+  for (long long k = kb0 + threadIdx.x; k < kb1; k += blockDim.x) {
+    const int col = __ldg(p.col_idx + k);
+    atomicOr(cmask + (col >> 5), 1u << (col & 31));
+  }
+  // Block jb's first unit is partition_unit(t0(jb)) (as in unit_range); for an empty block
+  // that is the next block's first unit (or H), which does no harm.
+  const int nb = gridDim.x;
+  const long long total = static_cast<long long>(__ldg(p.row_ptr + static_cast<long long>(p.H) * G)) +
+                          static_cast<long long>(p.alpha) * p.H;
+#pragma unroll 1
+  for (int jb = threadIdx.x; jb < nb; jb += blockDim.x) {
+    const int v0 = jb == 0 ? 0 : partition_unit(p.row_ptr, G, p.H, p.alpha, (total * jb + nb - 1) / nb);
+    if (v0 < p.H) atomicOr(cmask + (v0 >> 5), 1u << (v0 & 31));
+  }
+}
+
 // ---- shared memory carve-up (host computes the same sizes, see handlers.cu) -------------------
 
 __host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
 
+// h tile | row results | h state | c state (lstm) | needed-column bitmap | nonzeros.
 struct SmemLayout {
-  long long h_off, acc_off, hst_off, cst_off, w_off, total;
+  long long h_off, acc_off, hst_off, cst_off, m_off, w_off, total;
 };
 
 __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
@@ -343,7 +388,8 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
   l.acc_off = align16(static_cast<long long>(H) * BT * s_bytes);
   l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
-  l.w_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
+  l.m_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
+  l.w_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
   l.total = l.w_off + align16(static_cast<long long>(w_cap) * w_bytes);
   return l;
 }
@@ -366,17 +412,46 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
 
 // ---- the persistent kernel ----------------------------------------------------------------------
 
+// Threads per block a tile's kernel is built for (register budget: 65536 / threads). Tiles of
+// 16 and 32 run 512 threads with up to 128 registers: at 1024 threads (64 registers) their
+// gathers and rows spill. The planner never launches more.
+__host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
+
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
 template <Cell kCell, DType D, int BT, bool kWide>
-__global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
+__global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
   using X = typename T::X;
   using W = typename T::W;
   constexpr int G = gates_of(kCell);
   constexpr bool kLstmCell = kCell == Cell::kLstm;
-  constexpr int kXWords = static_cast<int>(sizeof(X)) * BT / 4;  // 32-bit words per unit
-  constexpr int K = (32 / kXWords) < 1 ? 1 : ((32 / kXWords) > 8 ? 8 : (32 / kXWords));
+  // Gathers move h in chunks of at most 32 bytes per thread: kCW tagged words (Lamport) or
+  // kRW raw values (barrier mode, h0); a unit is BT / kCW (BT / kRW) consecutive chunks. Tiles
+  // up to 8 (16-bit) / 4 (float32) are one chunk per unit, as before.
+  constexpr int kCW = static_cast<int>(sizeof(X)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(X));
+  constexpr int kCPU = BT / kCW;
+  constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
+  constexpr int kRPU = BT / kRW;
+  constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
+  // Chunks in flight per thread: 128 bytes (256 with the 512-thread tiles, same bytes per block).
+  constexpr int kFlight = (max_threads_of_tile(BT) == 512 ? 64 : 32) / kXWords;
+  constexpr int K = kFlight < 1 ? 1 : (kFlight > 8 ? 8 : kFlight);
+  // Row mapping: each lane accumulates kNV batch columns of the tile (at most 16 bytes of h:
+  // one vector load per nonzero), so kLPN = BT / kNV lanes share a nonzero and the warp's
+  // kNS = 32 / kLPN slices stride the row's nonzeros. Tiles up to 8 (16-bit) / 4 (float32):
+  // kLPN = 1, every lane its own nonzeros with the whole tile (the original mapping). Larger
+  // tiles ("batch lanes"): the kLPN lanes of a slice read one weight (a shared-memory
+  // broadcast) and contiguous h (h_s[col * BT + b0 .. + kNV]); registers stay those of BT = 8.
+  constexpr int kNV = kWide ? (static_cast<int>(sizeof(S)) * BT <= 16 ? BT : 16 / static_cast<int>(sizeof(S))) : BT;
+  constexpr int kLPN = BT / kNV;
+  constexpr int kNS = 32 / kLPN;
+  // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
+  // where the h gathers dominate (H * BT words per block and round), and at 64 registers (tiles
+  // up to 8) its set-up code makes ptxas spill more.
+  constexpr bool kFilter = BT >= 16;
+  static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
+  static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
 
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x;
@@ -414,6 +489,7 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
   const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
                                    static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
   S* h_s = reinterpret_cast<S*>(smem + L.h_off);
+  uint32_t* cmask = reinterpret_cast<uint32_t*>(smem + L.m_off);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
   float* cst = reinterpret_cast<float*>(smem + L.cst_off);
@@ -427,10 +503,19 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
   const long long kb1 = __ldg(row_ptr + static_cast<long long>(u0 + nu) * G);
   const long long n_in = (kb1 - kb0) < p.w_cap ? (kb1 - kb0) : p.w_cap;
 
-  // Load this block's nonzeros (as many as fit) and its initial state.
+  // Load this block's nonzeros (as many as fit) and its initial state, and mark the h units
+  // its rows read (col_filter): the gathers skip the others (fewer L2 reads per step, most
+  // with many blocks and low density). Lamport's two-slot rule needs every block to read at
+  // least one unit of every non-empty block each step (a block that overwrote slot s-1 with
+  // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
+  // so each block's first unit is marked too. A block without units reads nothing (nobody
+  // waits for it and it needs no h).
   for (long long k = tid; k < n_in; k += nthr) {
     w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(col_idx + kb0 + k));
   }
+  const bool filter = kFilter && p.col_filter != 0;
+  if constexpr (kFilter)
+    for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
   for (int i = tid; i < nu * bpad; i += nthr) {
     const int ul = i / bpad, b = i % bpad;
     const long long g = static_cast<long long>(b) * H + u0 + ul;
@@ -438,6 +523,8 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
     if constexpr (kLstmCell) cst[i] = b < B ? T::to_f(static_cast<const S*>(p.c0)[g]) : 0.0f;
   }
   __syncthreads();
+  // (cmask is first read after step 0's gather barrier.)
+  if (filter && nu > 0) mark_columns(p, G, kb0, kb1, cmask);
 
   const int npairs = nu * BT;
   const long long GH = static_cast<long long>(G) * H;
@@ -473,14 +560,15 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
       // 1. h_{s-1} of this tile into shared memory.
       bool aborted = false;
       if (s == 0) {
-        for (int u = tid; u < H; u += nthr) {
-          uint32_t bits[BT];
+        for (int it = tid; it < H * kRPU; it += nthr) {
+          const int u = it / kRPU, c0 = (it % kRPU) * kRW;
+          uint32_t bits[kRW];
 #pragma unroll
-          for (int i = 0; i < BT; ++i) {
-            const int b = j * BT + i;
+          for (int i = 0; i < kRW; ++i) {
+            const int b = j * BT + c0 + i;
             bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
           }
-          store_h<S, BT, kWide>(h_s, H, u, bits);
+          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else if (!p.lamport) {
         if (tid == 0) {
@@ -495,12 +583,13 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
         }
         if (__syncthreads_or(aborted)) return;
         const S* src = xraw + prev_off;
-        for (int u = tid; u < H; u += nthr) {
-          uint32_t bits[BT];
-          if constexpr (sizeof(S) * BT >= 16) {
+        for (int it = tid; it < H * kRPU; it += nthr) {
+          if (kFilter && !((cmask[(it / kRPU) >> 5] >> ((it / kRPU) & 31)) & 1u)) continue;
+          uint32_t bits[kRW];
+          if constexpr (sizeof(S) * kRW >= 16) {
 #pragma unroll
-            for (int i = 0; i < static_cast<int>(sizeof(S)) * BT / 16; ++i) {
-              const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src + static_cast<long long>(u) * BT) + i);
+            for (int i = 0; i < static_cast<int>(sizeof(S)) * kRW / 16; ++i) {
+              const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src + static_cast<long long>(it) * kRW) + i);
               const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
               for (int q = 0; q < 4; ++q) {
@@ -514,112 +603,122 @@ __global__ void __launch_bounds__(1024, 1) persistent_fwd(Params p) {
             }
           } else {
 #pragma unroll
-            for (int i = 0; i < BT; ++i) {
+            for (int i = 0; i < kRW; ++i) {
               if constexpr (sizeof(S) == 4) {
-                bits[i] = __float_as_uint(__ldcg(reinterpret_cast<const float*>(src) + static_cast<long long>(u) * BT + i));
+                bits[i] = __float_as_uint(__ldcg(reinterpret_cast<const float*>(src) + static_cast<long long>(it) * kRW + i));
               } else {
-                bits[i] = __ldcg(reinterpret_cast<const unsigned short*>(src) + static_cast<long long>(u) * BT + i);
+                bits[i] = __ldcg(reinterpret_cast<const unsigned short*>(src) + static_cast<long long>(it) * kRW + i);
               }
             }
           }
-          store_h<S, BT, kWide>(h_s, H, u, bits);
+          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else {
         const uint32_t tag = T::tag_of(s - 1);
         const X* src = xtag + prev_off;
+        const int nitems = H * kCPU;
         unsigned long long start = 0;
-        for (int ub = tid; ub < H && !aborted; ub += nthr * K) {
+        for (int ib = tid; ib < nitems && !aborted; ib += nthr * K) {
           unsigned int pending = 0;
 #pragma unroll
-          for (int i = 0; i < K; ++i)
-            if (ub + i * nthr < H) pending |= 1u << i;
-          int it = 0;
+          for (int i = 0; i < K; ++i) {
+            const int it = ib + i * nthr;
+            if (it < nitems && (!kFilter || ((cmask[(it / kCPU) >> 5] >> ((it / kCPU) & 31)) & 1u))) pending |= 1u << i;
+          }
+          int spins = 0;
           while (pending) {
-            X w[K][BT];
+            X w[K][kCW];
 #pragma unroll
             for (int i = 0; i < K; ++i)
-              if (pending & (1u << i)) load_x<X, BT>(src + static_cast<long long>(ub + i * nthr) * BT, w[i]);
+              if (pending & (1u << i)) load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i]);
 #pragma unroll
             for (int i = 0; i < K; ++i) {
               if (pending & (1u << i)) {
                 bool ok = true;
 #pragma unroll
-                for (int q = 0; q < BT; ++q) ok = ok && T::x_ok(w[i][q], tag);
+                for (int q = 0; q < kCW; ++q) ok = ok && T::x_ok(w[i][q], tag);
                 if (ok) {
-                  uint32_t bits[BT];
+                  uint32_t bits[kCW];
 #pragma unroll
-                  for (int q = 0; q < BT; ++q) bits[q] = T::x_bits(w[i][q]);
-                  store_h<S, BT, kWide>(h_s, H, ub + i * nthr, bits);
+                  for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
+                  store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
                   pending &= ~(1u << i);
                 }
               }
             }
             if (pending) {
               if (p.spin_ns) __nanosleep(p.spin_ns);
-              if ((++it & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
+              if ((++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
             }
           }
         }
       }
       if (__syncthreads_or(aborted)) return;
 
-      // 2. Rows: one warp per packed row, lanes stride over its nonzeros (a row's k-th nonzero
-      //    goes to lane k % 32, which is what the bank-aware packing order assumes).
-      for (int r = warp; r < nu * G; r += nwarps) {
-        const long long rg = static_cast<long long>(u0) * G + r;
-        const int k0 = __ldg(row_ptr + rg);
-        const int k1 = __ldg(row_ptr + rg + 1);
-        float acc[BT];
+      // 2. Rows: one warp per packed row. Slice `sl` of the warp (kLPN lanes) takes the row's
+      //    nonzeros k0 + sl, k0 + sl + kNS, ...; each lane accumulates its kNV batch columns
+      //    [b0, b0 + kNV) in float32, then the slices are summed by warp shuffles. With
+      //    kLPN = 1 a row's k-th nonzero goes to lane k % 32, which is what the bank-aware
+      //    packing order assumes.
+      {
+        const int sl = lane / kLPN;
+        const int b0 = (lane % kLPN) * kNV;
+        for (int r = warp; r < nu * G; r += nwarps) {
+          const long long rg = static_cast<long long>(u0) * G + r;
+          const int k0 = __ldg(row_ptr + rg);
+          const int k1 = __ldg(row_ptr + rg + 1);
+          float acc[kNV];
 #pragma unroll
-        for (int i = 0; i < BT; ++i) acc[i] = 0.0f;
-        if (k1 - kb0 <= n_in) {
-          const W* wr = w_s - kb0;
-          int k = k0 + lane;
-          // Four nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
-          for (; k + 96 < k1; k += 128) {
-            W wq[4];
+          for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
+          if (k1 - kb0 <= n_in) {
+            const W* wr = w_s - kb0;
+            int k = k0 + sl;
+            // Four nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
+            for (; k + 3 * kNS < k1; k += 4 * kNS) {
+              W wq[4];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) wq[q] = wr[k + 32 * q];
-            float v[4], hv[4][BT];
+              for (int q = 0; q < 4; ++q) wq[q] = wr[k + kNS * q];
+              float v[4], hv[4][kNV];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              int col;
-              T::unpack_w(wq[q], v[q], col);
-              gather_h<D, BT, kWide>(h_s, H, col, hv[q]);
+              for (int q = 0; q < 4; ++q) {
+                int col;
+                T::unpack_w(wq[q], v[q], col);
+                gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
+              }
+#pragma unroll
+              for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
             }
+            for (; k < k1; k += kNS) {
+              float v;
+              int col;
+              T::unpack_w(wr[k], v, col);
+              float hv[kNV];
+              gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-#pragma unroll
-              for (int i = 0; i < BT; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
-          }
-          for (; k < k1; k += 32) {
-            float v;
-            int col;
-            T::unpack_w(wr[k], v, col);
-            float hv[BT];
-            gather_h<D, BT, kWide>(h_s, H, col, hv);
-#pragma unroll
-            for (int i = 0; i < BT; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
-          }
-        } else {
+              for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+            }
+          } else {
 #pragma unroll 4
-          for (int k = k0 + lane; k < k1; k += 32) {
-            const float v = T::to_f(vals[k]);
-            const int col = __ldg(col_idx + k);
-            float hv[BT];
-            gather_h<D, BT, kWide>(h_s, H, col, hv);
+            for (int k = k0 + sl; k < k1; k += kNS) {
+              const float v = T::to_f(vals[k]);
+              const int col = __ldg(col_idx + k);
+              float hv[kNV];
+              gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
 #pragma unroll
-            for (int i = 0; i < BT; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+              for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+            }
           }
-        }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
+          for (int off = 16; off >= kLPN; off >>= 1) {
 #pragma unroll
-          for (int i = 0; i < BT; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-        }
-        if (lane == 0) {
+            for (int i = 0; i < kNV; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+          }
+          if (lane < kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
 #pragma unroll
-          for (int i = 0; i < BT; ++i) acc_s[r * BT + i] = acc[i];
+            for (int i = 0; i < kNV; ++i) acc_s[r * BT + b0 + i] = acc[i];
+          }
         }
       }
       __syncthreads();

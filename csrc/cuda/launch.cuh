@@ -11,6 +11,10 @@ namespace sprnn::cuda {
 
 using KernelFn = void (*)(Params);
 
+// Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 and 32
+// (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
+// kernel_core.cuh). The naive layout (variant 0) is built for BT = 4 only. The planner
+// (handlers.cu, make_plan) must only pick tiles listed here.
 template <Cell C, DType D>
 KernelFn persistent_kernel(int bt, bool wide) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
@@ -18,9 +22,9 @@ KernelFn persistent_kernel(int bt, bool wide) {
     case 1: return &persistent_fwd<C, D, 1, true>;
     case 2: return &persistent_fwd<C, D, 2, true>;
     case 4: return &persistent_fwd<C, D, 4, true>;
-    case 8:
-      if constexpr (D != DType::kF32) return &persistent_fwd<C, D, 8, true>;
-      return nullptr;
+    case 8: return &persistent_fwd<C, D, 8, true>;
+    case 16: return &persistent_fwd<C, D, 16, true>;
+    case 32: return &persistent_fwd<C, D, 32, true>;
     default: return nullptr;
   }
 }
