@@ -2,7 +2,8 @@
 # One GPU run: build, then the whole test suite, the benchmark (+ ncu bank-conflict counts) or
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
-#   benchmarks/gpu_check.sh [tests|bench|lm|quick|all]     (default all)
+#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|all]     (default all)
+# batch: the default-variant and large-batch-tile kernel tests, then the batch sweep.
 set -uo pipefail
 MODE="${1:-all}"
 OUT="${OUT:-benchmarks/results/run}"
@@ -53,6 +54,13 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
       grep -E "bank_conflicts|wavefronts|inst_executed" "$OUT/ncu_variant$v.txt" | sed "s/^/variant $v: /"
     done | tee "$OUT/ncu_summary.txt"
   fi
+fi
+if [ "$MODE" = batch ]; then
+  REPO="$(pwd)"
+  (cd /tmp && timeout 190 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "large_batch or forced or block_local or relu_large or float16-3 or float32-3 or bidirectional or timeout" 2>&1) \
+     | tee "$OUT/test_batch.log" | tail -15
+  timeout 170 $PY benchmarks/bench_gpu.py --out "$OUT" --batch --quick 2>&1 | tee "$OUT/bench.log" | tail -30
 fi
 if [ "$MODE" = lm ]; then
   REPO="$(pwd)"
