@@ -156,8 +156,9 @@ def test_large_batch_tile_plans():
 
     nnz = int(0.1 * 1152 * 1152)
     for dtype, B, bt, tiles in [(jnp.float16, 8, 8, 1), (jnp.float16, 9, 16, 1),
-                                (jnp.float16, 17, 32, 1), (jnp.float16, 64, 32, 2),
-                                (jnp.float32, 5, 8, 1), (jnp.float32, 33, 32, 2),
+                                (jnp.float16, 17, 32, 1), (jnp.float16, 33, 64, 1),
+                                (jnp.float16, 64, 64, 1), (jnp.float32, 5, 8, 1),
+                                (jnp.float32, 33, 32, 2),  # 64 x H float32 does not fit
                                 (jnp.bfloat16, 16, 16, 1)]:
         info = cuda_lowering.plan("rnn", dtype, 1152, B, nnz)
         assert info["persistent"] and info["on_chip"], info
@@ -174,6 +175,7 @@ def test_forced_tiles_and_column_filter(dtype, monkeypatch):
     check("rnn", dtype, (5, 64, 1152, 0.1, "uniform"), 3, 4, activation="relu")
     monkeypatch.setenv("SPRNN_CUDA_BT", "32")
     check("gru", dtype, (5, 20, 129, 0.3, "skewed"), 3, 1)
+    check("rnn", dtype, (4, 64, 300, 0.1, "uniform"), 3, 4, activation="relu")  # two tiles
     monkeypatch.setenv("SPRNN_CUDA_COL_FILTER", "0")
     check("rnn", dtype, (6, 33, 517, 0.1, "uniform"), 3, 1)
     monkeypatch.delenv("SPRNN_CUDA_BT")

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(LIB is None, reason="NVRTC 12 (pip nvidia-cuda-n
                                                     "is not installed")
 
 CELLS = ["kRnnTanh", "kLstm", "kGru"]
-DTYPES = {d: (1, 2, 4, 8, 16, 32) for d in ("kF32", "kBF16", "kF16")}
+DTYPES = {d: (1, 2, 4, 8, 16, 32, 64) for d in ("kF32", "kBF16", "kF16")}
 
 
 def instantiations():

@@ -86,10 +86,11 @@ long long round_up(long long x, long long m) { return (x + m - 1) / m * m; }
 constexpr long long kHeaderBytes = 256;
 long long counters_bytes(long long B) { return round_up(4 * std::max<long long>(B, 1), 256); }
 // Batch columns the exchange buffer holds per slot: B rounded up to the batch tile. Tiles of
-// 16 and 32 are only planned when B > 8, so that small batches keep a small workspace.
+// 16 and 32 are only planned when B > 8 and 64 when B > 32, so that small batches keep a small
+// workspace.
 long long exchange_cols(long long B) {
   B = std::max<long long>(B, 1);
-  return round_up(B, B > 8 ? 32 : 8);
+  return round_up(B, B > 32 ? 64 : (B > 8 ? 32 : 8));
 }
 long long workspace_bytes(int gates, int dtype, long long H, long long B) {
   (void)gates;
@@ -133,20 +134,20 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
   const bool lstm = gates == 4;
 
   // Batch tiles, largest first, starting from the smallest tile that holds the whole batch
-  // (B = 5..8 -> 8, 9..16 -> 16, > 16 -> 32): every tile is one more exchange round per step
-  // (~3.3 us at ReLU H=1152, benchmarks/NOTES.md), while the padding columns of a tile larger
-  // than B only add compute. So 16-bit B = 5..8 keeps BT = 8 (one round, no padding) and
-  // B > 32 takes 32 (ceil(B / 32) rounds). The largest whose weights fit on chip wins (below).
+  // (B = 5..8 -> 8, 9..16 -> 16, 17..32 -> 32, > 32 -> 64): every tile is one more exchange
+  // round per step (~3.3 us at ReLU H=1152, benchmarks/NOTES.md), while the padding columns of
+  // a tile larger than B only add compute. So 16-bit B = 5..8 keeps BT = 8 (one round, no
+  // padding); B = 64 measured 12.7 us/step as two tiles of 32 against 6.8 for B = 32 in one. The largest whose weights fit on chip wins (below).
   // SPRNN_CUDA_BT forces one (benchmarks), if the workspace holds its padded batch.
-  int cands[6];
+  int cands[7];
   int nc = 0;
   const long long force_bt = env_int("SPRNN_CUDA_BT", 0);
   if (!pl.wide) {
     cands[nc++] = 4;
   } else {
-    for (int bt : {32, 16, 8, 4, 2, 1})
+    for (int bt : {64, 32, 16, 8, 4, 2, 1})
       if ((bt == 1 || 2 * B > bt) && round_up(B, bt) <= exchange_cols(B)) cands[nc++] = bt;
-    for (int bt : {32, 16, 8, 4, 2, 1}) {
+    for (int bt : {64, 32, 16, 8, 4, 2, 1}) {
       if (force_bt == bt && round_up(B, bt) <= exchange_cols(B)) {
         cands[0] = bt;
         nc = 1;

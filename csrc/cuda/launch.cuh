@@ -11,7 +11,7 @@ namespace sprnn::cuda {
 
 using KernelFn = void (*)(Params);
 
-// Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 and 32
+// Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 to 64
 // (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
 // kernel_core.cuh). The naive layout (variant 0) is built for BT = 4 only. The planner
 // (handlers.cu, make_plan) must only pick tiles listed here.
@@ -25,6 +25,7 @@ KernelFn persistent_kernel(int bt, bool wide) {
     case 8: return &persistent_fwd<C, D, 8, true>;
     case 16: return &persistent_fwd<C, D, 16, true>;
     case 32: return &persistent_fwd<C, D, 32, true>;
+    case 64: return &persistent_fwd<C, D, 64, true>;
     default: return nullptr;
   }
 }

@@ -21,9 +21,10 @@ The kernel itself falls back to variant 4 when the layer's hidden state tile can
 one block's shared memory or the GPU cannot launch a cooperative grid, and streams from L2 the
 nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWarning``).
 
-Batch tiles: 1, 2, 4, 8, 16 or 32 sequences per exchange round, the smallest that holds the
-batch unless its weights would not stay (>= 3/4) on chip; tiles of 16 and 32 share each
-nonzero between several lanes and run 512 threads. Run-time knobs read by the handler at each
+Batch tiles: 1, 2, 4, 8, 16, 32 or 64 sequences per exchange round, the smallest that holds
+the batch unless its h tile does not fit in shared memory or its weights would not stay
+(>= 3/4) on chip; tiles of 16 to 64 share each nonzero between several lanes and run 512
+threads. Run-time knobs read by the handler at each
 call (benchmarks): ``SPRNN_CUDA_BT``, ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS``,
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``.
