@@ -198,10 +198,14 @@ def main():
         return 0
     os.makedirs(args.out, exist_ok=True)
     T = 256
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        commit = os.environ.get("SPRNN_COMMIT", "unknown")
+    # gpu_check.sh passes the commit: the tree copied to a GPU machine may carry a stale .git.
+    commit = os.environ.get("SPRNN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                             text=True).strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                 gpu=jax.devices()[0].device_kind, commit=commit, jax=jax.__version__,
                 K=K, reps=REPS, T=T)
