@@ -598,6 +598,14 @@ inline void to_unit_major(const float* __restrict src, int64_t B, int64_t H, int
     for (int64_t b = 0; b < B; ++b) dst[u * B + b] = src[b * H + u];
 }
 
+// Prefetches the cache lines of p[0 .. n) (kWrite: for writing).
+template <int kWrite, typename S>
+void prefetch_span(const S* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(S));
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, kWrite);
+}
+
 template <typename S>
 void store_span(const float* __restrict src, int64_t n, S* __restrict dst) {
   if constexpr (std::is_same_v<S, float>) {
@@ -644,11 +652,15 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
   SoloSwitch solo(want);
   std::vector<int64_t> window_ns(want, 0);
+  // The caller packs the nonzeros of its first unit range while the helpers wake up; each
+  // thread packs the rest of its own range (alone: everything else) before the first barrier,
+  // so ahead of any SoloSwitch takeover.
+  const int64_t k_early = want > 1 ? rp[split_units(rp, G, H, want)[1] * G] : 0;
+  auto pack_early = [&] { nz.pack(io.values, io.col_idx, 0, k_early, B); };
   run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
     Rebalancer split(rp, G, H, nthreads, window_ns.data());
     int64_t u0 = split.begin(tid), u1 = split.end(tid), n = u1 - u0;
-    // All packing is done before the first barrier, ahead of any SoloSwitch takeover.
-    nz.pack(io.values, io.col_idx, rp[u0 * G], rp[u1 * G], B);
+    nz.pack(io.values, io.col_idx, tid == 0 ? k_early : rp[u0 * G], rp[u1 * G], B);
     bool alone = nthreads == 1;
     int64_t worked = 0, waited = 0, t0 = alone ? 0 : SoloSwitch::now_ns();
     detail::StepPlan plan = plan0;
@@ -658,6 +670,15 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
       const float* hc = h[cur].data();
       float* hn = h[nxt].data();
       float* hbn = hb[kGru ? nxt : 0].data();
+      // The cell below reads xp_t and writes ys_t (and cs_t), fresh lines from L3 or memory
+      // each step: start fetching them now, behind the rows.
+      for (int64_t b = 0; b < B; ++b) {
+        if (!plan.active[b]) continue;
+        const int64_t row = plan.t[b] * B + b;
+        for (int g = 0; g < G; ++g) detail::prefetch_span<0>(io.xp + row * GH + g * H + u0, n);
+        detail::prefetch_span<1>(io.ys_out + row * H + u0, n);
+        if constexpr (kLstm) detail::prefetch_span<1>(io.cs_out + row * H + u0, n);
+      }
       const OutLayout lay{B * H, 1, H};
       if (narrow) {
         kern.rows16(nz.v(), nz.off16(), rp, u0, u1, G, lay, hc, static_cast<int>(B), pre.data());
@@ -713,7 +734,7 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
         n = H;
       }
     }
-  });
+  }, pack_early);
   const int last = static_cast<int>(plan0.steps % 2);
   detail::store_span(hb[kGru ? last : 0].data(), HB, io.hT);
   if constexpr (kLstm) detail::store_span(c[last].data(), HB, io.cT);
