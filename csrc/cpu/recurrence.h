@@ -626,6 +626,8 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
+  const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
+  if (want > 1) HelperPool::instance().prewake();  // they wake while we set up
   const bool narrow = kern.rows16 != nullptr && HB <= 65536;  // every col * B fits 16 bits
   NzBuffers nz(d.nnz, narrow);
   const int32_t* rp = io.row_ptr;
@@ -649,7 +651,6 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   detail::zero_invalid(io.ys_out, plan0.len, T, B, H);
   if constexpr (kLstm) detail::zero_invalid(io.cs_out, plan0.len, T, B, H);
 
-  const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
   SoloSwitch solo(want);
   std::vector<int64_t> window_ns(want, 0);
   // The caller packs the nonzeros of its first unit range while the helpers wake up; each
