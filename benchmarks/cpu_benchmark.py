@@ -3,7 +3,10 @@
     python benchmarks/cpu_benchmark.py [--hidden 1024 --batch 4 --steps 128 --density 0.1]
 
 Prints the median time per call and per step of each (calls alternate between the two), and
-the speed-up, for rnn, lstm, gru.
+the speed-up, for rnn, lstm, gru. The cells take turns over ``--rounds`` rounds of
+``--repeats`` calls each; the table gives the medians over all calls and, per cell, the
+speed-ups of the rounds (min / median / max): on a shared VM whole rounds can land in a slow
+phase of the host, and the spread shows it.
 """
 
 from __future__ import annotations
@@ -23,20 +26,20 @@ from jax_sprnn import reference
 GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 
 
-def median_seconds(fns, *args, repeats: int) -> list:
-    """Median time of each function; calls alternate so load drifts hit all of them alike."""
-    for fn in fns:
-        jax.block_until_ready(fn(*args))  # compile and warm up
+def time_calls(fns, *args, repeats: int) -> list:
+    """Seconds of ``repeats`` calls of each function; calls alternate so that load drifts hit
+    all of them alike."""
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, ts in zip(fns, times):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             ts.append(time.perf_counter() - start)
-    return [statistics.median(ts) for ts in times]
+    return times
 
 
-def bench_cell(cell, hidden, batch, steps, density, dtype, repeats, rng):
+def make_cell(cell, hidden, batch, steps, density, dtype, rng):
+    """(sparse, dense, args): the jitted sparse op and dense scan of one cell, compiled."""
     gates = GATES[cell]
     mask = rng.random((hidden, gates * hidden)) < density
     kernel = (rng.standard_normal(mask.shape) / np.sqrt(density * hidden) * mask).astype(dtype)
@@ -59,11 +62,15 @@ def bench_cell(cell, hidden, batch, steps, density, dtype, repeats, rng):
                                     b_hn if cell == "gru" else None)
 
     sparse, dense = jax.jit(sparse), jax.jit(dense)
-    t_sparse, t_dense = median_seconds((sparse, dense), xp, carry, repeats=repeats)
-    ys_s = np.asarray(sparse(xp, carry)[0], np.float32)
-    ys_d = np.asarray(dense(xp, carry)[0], np.float32)
-    err = np.linalg.norm(ys_s - ys_d) / max(np.linalg.norm(ys_d), 1e-30)
-    return t_sparse, t_dense, err
+    for fn in (sparse, dense):
+        jax.block_until_ready(fn(xp, carry))  # compile and warm up
+    return sparse, dense, (xp, carry)
+
+
+def relative_difference(sparse, dense, args) -> float:
+    ys_s = np.asarray(sparse(*args)[0], np.float32)
+    ys_d = np.asarray(dense(*args)[0], np.float32)
+    return float(np.linalg.norm(ys_s - ys_d) / max(np.linalg.norm(ys_d), 1e-30))
 
 
 def main():
@@ -73,20 +80,36 @@ def main():
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--density", type=float, default=0.1)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=21, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", default="rnn,lstm,gru")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"# jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"{jax.device_count('cpu')} cpu device(s); H={args.hidden} B={args.batch} "
-          f"T={args.steps} density={args.density} {args.dtype}, median of {args.repeats}")
+          f"T={args.steps} density={args.density} {args.dtype}, {args.rounds} rounds of "
+          f"{args.repeats} alternating calls")
     print(f"{'cell':5} {'sparse C++ ms':>14} {'dense scan ms':>14} {'us/step sparse':>15} "
-          f"{'us/step dense':>14} {'speed-up':>9} {'rel.diff':>9}")
-    for cell in args.cells.split(","):
-        t_s, t_d, err = bench_cell(cell, args.hidden, args.batch, args.steps, args.density,
-                                   jnp.dtype(args.dtype), args.repeats, rng)
-        print(f"{cell:5} {t_s * 1e3:14.2f} {t_d * 1e3:14.2f} {t_s / args.steps * 1e6:15.1f} "
-              f"{t_d / args.steps * 1e6:14.1f} {t_d / t_s:8.2f}x {err:9.1e}")
+          f"{'us/step dense':>14} {'speed-up':>9} {'rel.diff':>9}   speed-up per round min/med/max")
+    cells = args.cells.split(",")
+    setups = {c: make_cell(c, args.hidden, args.batch, args.steps, args.density,
+                           jnp.dtype(args.dtype), rng) for c in cells}
+    calls = {c: ([], []) for c in cells}
+    ratios = {c: [] for c in cells}
+    for _ in range(args.rounds):
+        for c in cells:
+            sparse, dense, fargs = setups[c]
+            t_s, t_d = time_calls((sparse, dense), *fargs, repeats=args.repeats)
+            calls[c][0].extend(t_s)
+            calls[c][1].extend(t_d)
+            ratios[c].append(statistics.median(t_d) / statistics.median(t_s))
+    for c in cells:
+        t_s, t_d = (statistics.median(ts) for ts in calls[c])
+        err = relative_difference(*setups[c])
+        r = sorted(ratios[c])
+        print(f"{c:5} {t_s * 1e3:14.2f} {t_d * 1e3:14.2f} {t_s / args.steps * 1e6:15.1f} "
+              f"{t_d / args.steps * 1e6:14.1f} {t_d / t_s:8.2f}x {err:9.1e}   "
+              f"{r[0]:.2f} / {statistics.median(r):.2f} / {r[-1]:.2f}")
 
 
 if __name__ == "__main__":
