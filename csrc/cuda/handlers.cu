@@ -359,11 +359,14 @@ ClusterFit cluster_fit(KernelFn fn, const cudaLaunchConfig_t& cfg, int cluster) 
   r.smem = static_cast<long long>(cfg.dynamicSmemBytes);
   cudaFuncAttributes fa{};
   int active = 0;
+  cudaLaunchConfig_t plain = cfg;  // the largest cluster for this block size and smem
+  plain.attrs = nullptr;
+  plain.numAttrs = 0;
   if (cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(fn)) == cudaSuccess &&
       fa.ptxVersion >= 90 &&
       cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
                            cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-      cudaOccupancyMaxPotentialClusterSize(&r.max_ok, reinterpret_cast<const void*>(fn), &cfg) ==
+      cudaOccupancyMaxPotentialClusterSize(&r.max_ok, reinterpret_cast<const void*>(fn), &plain) ==
           cudaSuccess) {
     if (r.max_ok >= cluster &&
         cudaOccupancyMaxActiveClusters(&active, reinterpret_cast<const void*>(fn), &cfg) ==
