@@ -293,7 +293,8 @@ def main():
             name = f"{'ReLU' if cell == 'rnn' else 'LSTM'} H={H} d={d:.0%} {jnp.dtype(dt).name}"
             how = (f"{pl['cluster']} CTAs x {pl['tiles']} tiles of {pl['batch_tile']}, "
                    f"{pl['threads']} thr" if pl["cluster"] else "fell back to 3")
-            lines.append(f"| {name} | {B} | {json.dumps(kn) if kn else ''} | {r['variant_3']:.2f} | "
+            knob = json.dumps(kn) if kn else ""
+            lines.append(f"| {name} | {B} | {knob} | {r['variant_3']:.2f} | "
                          f"{r['variant_5']:.2f} | {r['variant_3'] / r['variant_5']:.2f}x | "
                          f"{fmt(tgt)} | {how} |")
             save()

@@ -255,20 +255,24 @@ def test_cluster_plans():
     h200 = dict(sms=132, smem_optin=232448, cc_major=9)
     nnz = int(0.1 * 1152 * 1152)
     info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **h200)
-    assert (info["variant"], info["cluster"], info["batch_tile"], info["blocks"]) == (5, 16, 4, 16), info
+    got = (info["variant"], info["cluster"], info["batch_tile"], info["blocks"])
+    assert got == (5, 16, 4, 16), info
     assert info["persistent"] and info["on_chip"] and not info["reason"], info
     # LSTM H=1024 d=10% fp16 (1.7 MB of nonzeros) fits 16 CTAs; B=64 runs 4 clusters of 16.
     lstm_nnz = int(0.1 * 1024 * 4096)
     assert cuda_lowering.plan("lstm", jnp.float16, 1024, 4, lstm_nnz, **h200)["variant"] == 5
     info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, nnz, **h200)
-    assert (info["variant"], info["batch_tile"], info["tiles"], info["blocks"]) == (5, 16, 4, 64), info
+    got = (info["variant"], info["batch_tile"], info["tiles"], info["blocks"])
+    assert got == (5, 16, 4, 64), info
     # Too large for one cluster, or no clusters: the grid plan (variant 5 says why).
     big = int(0.1 * 4096 * 4 * 4096)
     assert cuda_lowering.plan("lstm", jnp.float16, 4096, 4, big, **h200)["variant"] == 3
     info = cuda_lowering.plan("lstm", jnp.float16, 4096, 4, big, variant=5, **h200)
     assert info["variant"] == 3 and "variant 5" in info["reason"], info
-    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **dict(h200, cc_major=8))["variant"] == 3
-    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, max_cluster=8, **h200)["cluster"] == 8
+    ampere = dict(h200, cc_major=8)
+    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **ampere)["variant"] == 3
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, max_cluster=8, **h200)
+    assert info["cluster"] == 8, info
     if _cc_major() >= 9:  # this GPU
         assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz)["variant"] == 5
 

@@ -263,7 +263,8 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
     // One warp per row a CTA owns (up to the tile's build limit): the rows are the critical
     // path of a step, and there is no grid-wide exchange whose cost grows with the threads.
     const long long rows = static_cast<long long>(pl.u_cap) * gates;
-    const long long t = env_int("SPRNN_CUDA_THREADS", std::clamp<long long>(round_up(32 * rows, 32), 128, 1024));
+    const long long t =
+        env_int("SPRNN_CUDA_THREADS", std::clamp<long long>(round_up(32 * rows, 32), 128, 1024));
     pl.threads = static_cast<int>(std::clamp<long long>(t, 64, max_threads_of_tile(bt))) / 32 * 32;
     return pl;
   }

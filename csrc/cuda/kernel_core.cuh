@@ -424,7 +424,8 @@ __device__ __forceinline__ int seq_len(const Params& p, int b) {
 
 // The G input projections of (unit u, sequence b) at step s < len, as float32.
 template <DType D, int G>
-__device__ __forceinline__ void load_x_pair(const Params& p, int s, int len, int b, int u, float* x) {
+__device__ __forceinline__ void load_x_pair(const Params& p, int s, int len, int b, int u,
+                                            float* x) {
   using S = typename Tr<D>::S;
   const int t = step_time(s, len, p.reverse != 0);
   const S* xq = static_cast<const S*>(p.xp) +
@@ -454,7 +455,8 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
     const int ul = i / bpad, b = b_lo + i % bpad;
     const long long g = static_cast<long long>(b) * p.H + u0 + ul;
     hst[i] = b < p.B ? T::to_f(static_cast<const S*>(p.h0)[g]) : 0.0f;
-    if constexpr (kCell == Cell::kLstm) cst[i] = b < p.B ? T::to_f(static_cast<const S*>(p.c0)[g]) : 0.0f;
+    if constexpr (kCell == Cell::kLstm)
+      cst[i] = b < p.B ? T::to_f(static_cast<const S*>(p.c0)[g]) : 0.0f;
   }
 }
 
