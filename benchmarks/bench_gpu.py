@@ -181,6 +181,18 @@ def fmt(x):
     return "—" if x is None else f"{x:.2f}"
 
 
+def time_knobs(f, xp, c0, knobs, row, T):
+    """us/step of f under each set of run-time knobs (environment variables the CUDA handler
+    reads at each call), into row[json of the knobs]."""
+    for kn in knobs:
+        os.environ.update(kn)
+        try:
+            row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
+        finally:
+            for k in kn:
+                os.environ.pop(k, None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -239,13 +251,7 @@ def main():
             w = sp.SparseWeights.from_dense(kernel, mask)
             f, c0 = method_kernel(cell, act, w, xp, carry)
             row = dict(cell=cell, H=H, density=d)
-            for kn in knobs:
-                os.environ.update(kn)
-                try:
-                    row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
-                finally:
-                    for k in kn:
-                        os.environ.pop(k, None)
+            time_knobs(f, xp, c0, knobs, row, T)
             print(json.dumps(row), flush=True)
             res.setdefault("tune", []).append(row)
             lines.append("- " + json.dumps(row))
@@ -332,13 +338,7 @@ def main():
         knobs = [{}, {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BLOCKS": "33"},
                  {"SPRNN_CUDA_COL_FILTER": "0"}, {"SPRNN_CUDA_BLOCKS": "66", "SPRNN_CUDA_COL_FILTER": "0"},
                  {"SPRNN_CUDA_BT": "32"}, {"SPRNN_CUDA_BT": "16"}]
-        for kn in knobs:
-            os.environ.update(kn)
-            try:
-                row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
-            finally:
-                for k in kn:
-                    os.environ.pop(k, None)
+        time_knobs(f, xp, c0, knobs, row, T)
         print(json.dumps(row), flush=True)
         res["batch_knobs"] = row
         lines += ["", "B=64 knobs (us/step; {} = default: 132 blocks, BT=64, column filter on):", ""]
