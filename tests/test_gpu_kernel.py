@@ -131,9 +131,10 @@ def test_relu_large_and_wide_batch(dtype):
         check("rnn", dtype, shape, 3, n, activation="relu")
 
 
-# Batch tiles of 16 and 32 (the "batch lanes" row mapping, several lanes per nonzero) and
+# Batch tiles of 16 to 64 (the "batch lanes" row mapping, several lanes per nonzero) and
 # batches over several of them: B=16 -> one tile of 16, 17 -> one of 32 with 15 padding
-# columns, 33 -> two of 32 (the second with one real column), 64 -> two full tiles.
+# columns, 33 and 64 -> one of 64 where H x 64 values fit in shared memory, else tiles of 32
+# (33: the second with one real column).
 LARGE_B_SHAPES = [
     (9, 16, 300, 0.2, "uniform"),
     (7, 17, 129, 0.3, "skewed"),

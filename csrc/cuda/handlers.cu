@@ -204,7 +204,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // 1024 when a block has much to read or compute (6.35 vs 7.25 at H=5760).
   if (env_int("SPRNN_CUDA_THREADS", 0) == 0)
     best.threads = (H * best.bt <= 8192 && pl.w_need <= 8192) ? 512 : 1024;
-  // Tiles of 16 and 32 are built for 512 threads (128 registers; kernel_core.cuh).
+  // Tiles of 16 to 64 are built for 512 threads (128 registers; kernel_core.cuh).
   best.threads = std::min(best.threads, max_threads_of_tile(best.bt));
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a

@@ -9,7 +9,7 @@
 //   1. gathers h_{s-1} (H x BT) from the exchange buffer in global memory into shared memory,
 //   2. computes its rows' dot products (one warp per packed row, lanes split the nonzeros,
 //      float32 accumulation, warp-shuffle reduction; for tiles wider than 16 bytes of h per
-//      lane, i.e. BT = 16, 32 and float32 8, BT / kNV lanes share each nonzero, each with kNV
+//      lane, i.e. BT = 16, 32, 64 and float32 8, BT / kNV lanes share each nonzero, each with kNV
 //      batch columns: the "batch lanes" mapping, same code with other constants),
 //   3. applies the cell to its units and publishes h_s to the exchange buffer.
 // Exchange (two slots, s % 2):
@@ -23,7 +23,7 @@
 // into an error.
 // Layouts (template kWide): naive h_s[b][H] with BT scalar loads per nonzero (variant a), or
 // wide h_s[H][BT] with one vector load per nonzero (variants b-d).
-// Tiles of 16 and 32 are built for 512 threads (128 registers) and gather only the h units
+// Tiles of 16 to 64 are built for 512 threads (128 registers) and gather only the h units
 // their rows read plus one unit per block (p.col_filter, see the prologue of persistent_fwd).
 #pragma once
 
@@ -639,7 +639,7 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 // ---- the persistent kernel ----------------------------------------------------------------------
 
 // Threads per block a tile's kernel is built for (register budget: 65536 / threads). Tiles of
-// 16 and 32 run 512 threads with up to 128 registers: at 1024 threads (64 registers) their
+// 16 to 64 run 512 threads with up to 128 registers: at 1024 threads (64 registers) their
 // gathers and rows spill. The planner never launches more.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
