@@ -3,22 +3,27 @@
 // Why: the grid-wide exchange of persistent_fwd (every block reads all of h from L2 and spins on
 // tagged words) costs ~2.6 us per step whatever the layer size (benchmarks/NOTES.md). A thread
 // block cluster (up to 16 CTAs, co-scheduled by the hardware) can exchange h through distributed
-// shared memory and synchronise with one hardware barrier instead.
+// shared memory (DSMEM) instead, with the arrival of the data as the only synchronisation.
 //
 // Layout: one cluster per batch tile of BT sequences (grid = ntiles clusters of csize CTAs).
 // Each cluster holds a full copy of the layer: CTA `rank` owns the units unit_range(rank,
 // csize) and keeps their nonzeros in shared memory. Clusters never communicate, so the only
 // co-residency needed is within a cluster (guaranteed by the hardware); more clusters than fit
-// simply run one after another. Per step s, every CTA:
-//   1. computes its rows from its own copy of h_{s-1} (slot s % 2 of its shared memory),
-//   2. applies the cell to its units (update_pair, shared with persistent_fwd),
-//   3. stores h_s straight into slot (s + 1) % 2 of every CTA of the cluster (st.shared::cluster),
-//   4. arrives at the cluster barrier (release); it waits (acquire) before reading slot (s+1) % 2.
-// One barrier per step suffices with two slots: a CTA writes slot (s+1) % 2 of a peer only after
-// the barrier of step s-1, which the peer reached after its last reads of that slot (step s-1).
-// Every CTA runs the same number of steps and reaches every barrier (no early exits, no spins,
-// nothing to time out); a CTA whose unit range would overflow shared memory sets the abort flag
-// and does no work, but still takes part in every barrier.
+// simply run one after another. Every CTA keeps two float32 copies of the h tile (slot s % 2
+// is the input of step s). Per step s, every CTA:
+//   1. waits on the mbarrier of slot s % 2 until all of h_{s-1} has arrived (s > 0),
+//   2. computes its rows from slot s % 2, a group of `lanes` lanes per row (row_lanes),
+//   3. applies the cell to its units (update_pair, shared with persistent_fwd),
+//   4. sends h_s into slot (s + 1) % 2 of every peer with st.async, each store counting its
+//      bytes on the peer's mbarrier of that slot (complete_tx); its own copy is a plain store.
+// No cluster barrier per step and no release fence: the mbarrier phase completes when the
+// expected bytes ((H - own units) x BT x 4, armed by thread 0 with expect_tx) have landed. Two
+// slots are enough: a peer sends step s into our slot (s+1) % 2 only after it has received our
+// h_{s-1}, which we send after the block barrier that ends our reads of that slot (step s-1).
+// Waits are bounded (%globaltimer, wait_expired); a thread whose wait expired (or that sees the
+// abort flag) skips its later waits, so every CTA reaches the closing cluster barrier and no CTA
+// exits while a peer may still write to it. The handler turns the flag into a Python error.
+// H values are exchanged as float32 of the dtype-rounded h, exactly what persistent_fwd sends.
 //
 // Everything that needs sm_90 is under __CUDA_ARCH__ >= 900: for older targets (the sm_70 NVRTC
 // check, sm_75..89 builds) the kernel compiles to a stub that sets the abort flag, and the host
@@ -56,40 +61,154 @@ __device__ __forceinline__ uint32_t map_rank(const void* p, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
   return r;
 }
-// Stores N 32-bit words (N = 1, 2, 4: 4, 8 or 16 bytes, aligned) or one 16-bit value (N = 0).
+// st.async of N floats (N = 1, 2, 4: 4, 8 or 16 bytes, aligned) to a peer's shared memory,
+// completing N * 4 bytes of the transaction count of the peer's mbarrier `bar`.
 template <int N>
-__device__ __forceinline__ void st_cluster(uint32_t addr, const uint32_t* v) {
+__device__ __forceinline__ void st_async(uint32_t addr, const float* v, uint32_t bar) {
   if constexpr (N == 4) {
-    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]),
-                 "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+        "[%5];" ::"r"(addr), "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[1])),
+        "r"(__float_as_uint(v[2])), "r"(__float_as_uint(v[3])), "r"(bar) : "memory");
   } else if constexpr (N == 2) {
-    asm volatile("st.shared::cluster.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(v[0]), "r"(v[1])
-                 : "memory");
-  } else if constexpr (N == 1) {
-    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v[0]) : "memory");
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+            addr), "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[1])), "r"(bar) : "memory");
   } else {
-    const unsigned short h = static_cast<unsigned short>(v[0]);
-    asm volatile("st.shared::cluster.u16 [%0], %1;" ::"r"(addr), "h"(h) : "memory");
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                     addr), "r"(__float_as_uint(v[0])), "r"(bar) : "memory");
   }
 }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
+}
+// The one local arrival of a phase, raising the bytes it waits for.
+__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred P;\n"
+      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, P;\n}" : "=r"(done) : "r"(static_cast<uint32_t>(
+                                        __cvta_generic_to_shared(bar))), "r"(parity) : "memory");
+  return done != 0;
+}
+// Waits for phase `parity` of bar; false when the wait expired (or another block aborted).
+__device__ __forceinline__ bool mbar_wait(const Params& p, unsigned long long* bar,
+                                          uint32_t parity) {
+  unsigned long long start = 0;
+  for (int spins = 1; !mbar_try_wait(bar, parity); ++spins)
+    if ((spins & 7) == 0 && wait_expired(p, start)) return false;
+  return true;
+}
 #endif
+
+// BT float32 values at p (aligned to min(BT, 4) * 4 bytes) in as few vector loads as possible.
+template <int BT>
+__device__ __forceinline__ void load_tile(const float* p, float* out) {
+  if constexpr (BT >= 4) {
+#pragma unroll
+    for (int i = 0; i < BT / 4; ++i) {
+      const float4 v = reinterpret_cast<const float4*>(p)[i];
+      out[4 * i] = v.x;
+      out[4 * i + 1] = v.y;
+      out[4 * i + 2] = v.z;
+      out[4 * i + 3] = v.w;
+    }
+  } else if constexpr (BT == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+  } else {
+    out[0] = *p;
+  }
+}
+
+// Step 2 of the cluster kernel: rows [0, nrows) of the CTA (global rows u0 * G + r) against the
+// float32 h tile hf, into acc_s[r * BT + b]. A group of `lanes` lanes (a power of two <= 32) per
+// row, each lane taking every lanes-th nonzero with all BT columns, then a shuffle reduction
+// within the group. Why not one warp per row (persistent_fwd): at 16 CTAs a CTA owns ~70-260
+// rows of ~100 nonzeros, so a warp per row spends most instructions on the 5-level reduction
+// and loop set-up (ncu: 200 warp instructions per row of 115 nonzeros).
+template <int G, DType D, int BT>
+__device__ __forceinline__ void grouped_rows(const int32_t* row_ptr,
+                                             const typename Tr<D>::W* w_s, long long kb0,
+                                             const float* hf, int u0, int nrows, int lanes,
+                                             float* acc_s) {
+  using T = Tr<D>;
+  using W = typename T::W;
+  constexpr int kDepth = BT <= 4 ? 4 : (BT == 8 ? 2 : 1);  // nonzeros per lane in flight
+  const int tid = threadIdx.x;
+  const int sub = tid & (lanes - 1);
+  const int ngroups = blockDim.x / lanes;
+  const W* wr = w_s - kb0;
+  for (int base = 0; base < nrows; base += ngroups) {  // the same trip count in every warp
+    const int r = base + tid / lanes;
+    float acc[BT];
+#pragma unroll
+    for (int i = 0; i < BT; ++i) acc[i] = 0.0f;
+    if (r < nrows) {
+      const long long rg = static_cast<long long>(u0) * G + r;
+      const int k1 = __ldg(row_ptr + rg + 1);
+      int k = __ldg(row_ptr + rg) + sub;
+      for (; k + (kDepth - 1) * lanes < k1; k += kDepth * lanes) {
+        float v[kDepth], hv[kDepth][BT];
+#pragma unroll
+        for (int q = 0; q < kDepth; ++q) {
+          int col;
+          T::unpack_w(wr[k + q * lanes], v[q], col);
+          load_tile<BT>(hf + static_cast<long long>(col) * BT, hv[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < kDepth; ++q)
+#pragma unroll
+          for (int i = 0; i < BT; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
+      }
+      for (; k < k1; k += lanes) {
+        float v, hv[BT];
+        int col;
+        T::unpack_w(wr[k], v, col);
+        load_tile<BT>(hf + static_cast<long long>(col) * BT, hv);
+#pragma unroll
+        for (int i = 0; i < BT; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+      }
+    }
+    for (int off = lanes >> 1; off > 0; off >>= 1)
+#pragma unroll
+      for (int i = 0; i < BT; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+    if (r < nrows && sub == 0)
+#pragma unroll
+      for (int i = 0; i < BT; ++i) acc_s[r * BT + i] = acc[i];
+  }
+}
+
+// Lanes per row for rows of `avg` nonzeros on average: about 64 / BT nonzeros per lane (4 to
+// 16), fewer for wide tiles whose nonzeros cost BT FMAs each.
+__host__ __device__ constexpr int row_lanes_for(long long avg, int bt) {
+  const int per_lane = 64 / bt < 4 ? 4 : (64 / bt > 16 ? 16 : 64 / bt);
+  int lanes = 1;
+  while (lanes < 32 && static_cast<long long>(lanes) * per_lane < avg) lanes *= 2;
+  return lanes;
+}
 
 // Threads per CTA the tile's cluster kernel is built for: that of persistent_fwd's tile.
 template <Cell kCell, DType D, int BT>
 __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using T = Tr<D>;
-  using S = typename T::S;
-  using W = typename T::W;
   constexpr int G = gates_of(kCell);
-  // A chunk is kV consecutive batch columns of one unit (at most 16 bytes), stored to a peer in
-  // one instruction; the kV lanes that computed them share it by shuffles, and then each sends
-  // it to every kV-th peer.
-  constexpr int kV = static_cast<int>(sizeof(S)) * BT <= 16 ? BT : 16 / static_cast<int>(sizeof(S));
-  constexpr int kWords = static_cast<int>(sizeof(S)) * kV / 4;  // 0: one 16-bit value
+  // A chunk is kV consecutive batch columns of one unit (at most 16 bytes of float32), sent to
+  // a peer by one st.async; the kV lanes that computed them share it by shuffles, and then each
+  // sends it to every kV-th peer.
+  constexpr int kV = BT < 4 ? BT : 4;
   static_assert(BT <= 32 && 32 % BT == 0, "a unit's columns lie in one warp");
 
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long bar[2];  // one per h slot
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int lane = tid & 31;
@@ -101,11 +220,13 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
   const int b_hi = b_lo + BT < B ? b_lo + BT : B;
 
   __shared__ int sh_u[2];
-  __shared__ int sh_lmax;
+  __shared__ int sh_lmax, sh_lanes;
   if (tid == 0) {
     int u0, u1;
     unit_range(p, G, rank, csize, u0, u1);
-    if (u1 - u0 > p.u_cap) {  // cannot happen with the host's bound; never corrupt shared memory
+    const long long n = __ldg(p.row_ptr + static_cast<long long>(u1) * G) -
+                        __ldg(p.row_ptr + static_cast<long long>(u0) * G);
+    if (u1 - u0 > p.u_cap || n > p.w_cap) {  // cannot happen with the host's plan
       atomicExch(p.abort_flag, 2);
       u1 = u0;
     }
@@ -114,39 +235,46 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
     int lmax = 0;
     for (int b = b_lo; b < b_hi; ++b) lmax = seq_len(p, b) > lmax ? seq_len(p, b) : lmax;
     sh_lmax = lmax;
+    sh_lanes = row_lanes_for(u1 > u0 ? n / ((u1 - u0) * G) : 0, BT);
+    mbar_init(&bar[0]);
+    mbar_init(&bar[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const int u0 = sh_u[0];
   const int nu = sh_u[1] - u0;
   const int lmax = sh_lmax;  // the same in every CTA of the cluster: all take lmax steps
-  const SmemLayout L = smem_layout(H, BT, BT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap,
-                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)), 2);
+  const int lanes = sh_lanes;
+  const SmemLayout L = smem_layout(H, BT, BT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 4,
+                                   static_cast<int>(sizeof(typename T::W)), 2);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
   float* cst = reinterpret_cast<float*>(smem + L.cst_off);
-  W* w_s = reinterpret_cast<W*>(smem + L.w_off);
-  auto slot = [&](int s) { return reinterpret_cast<S*>(smem + L.h_off + (s & 1) * L.h_stride); };
+  typename T::W* w_s = reinterpret_cast<typename T::W*>(smem + L.w_off);
+  auto slot = [&](int s) { return reinterpret_cast<float*>(smem + L.h_off + (s & 1) * L.h_stride); };
 
   const long long kb0 = __ldg(p.row_ptr + static_cast<long long>(u0) * G);
   const long long kb1 = __ldg(p.row_ptr + static_cast<long long>(u0 + nu) * G);
-  const long long n_in = (kb1 - kb0) < p.w_cap ? (kb1 - kb0) : p.w_cap;
-  load_weights<D>(p, kb0, n_in, w_s);
+  load_weights<D>(p, kb0, kb1 - kb0, w_s);
   init_state<kCell, D>(p, u0, nu, b_lo, BT, hst, cst);
   {  // h_0 of the whole tile into slot 0 (every CTA its own copy)
-    S* h0s = slot(0);
+    float* h0s = slot(0);
     for (int i = tid; i < H * BT; i += nthr) {
       const int u = i / BT, b = b_lo + i % BT;
-      h0s[i] = b < B ? static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u] : S(0);
+      h0s[i] = b < B ? T::to_f(static_cast<const typename T::S*>(p.h0)[static_cast<long long>(b) * H + u]) : 0.0f;
     }
   }
-  // Every CTA of the cluster has started (a peer's shared memory may be written only then) and
-  // has finished its set-up.
+  // Every CTA of the cluster has started and initialised its mbarriers (a peer's shared memory
+  // may be written only then).
   cluster_arrive();
   cluster_wait();
 
+  // Bytes of h each step brings from the peers: all units but this CTA's own.
+  const uint32_t peer_bytes = static_cast<uint32_t>(H - nu) * BT * 4u;
   const int npairs = nu * BT;
+  bool waiting = true;  // false once a wait expired: skip the rest, reach the final barrier
   for (int s = 0; s < lmax; ++s) {
-    // The input projection of this thread's first pair, loaded while the barrier completes.
+    // The input projection of this thread's first pair, loaded while h_{s-1} arrives.
     float xr[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) xr[g] = 0.0f;
@@ -155,49 +283,44 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
       const int len = seq_len(p, b);
       if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
     }
-    if (s > 0) cluster_wait();  // h_{s-1} is complete in slot s % 2
+    const bool send = s + 1 < lmax;
+    // Arm the next slot's phase (its previous phase completed before step s-1 read it).
+    if (tid == 0 && send) mbar_arrive_expect(&bar[(s + 1) & 1], peer_bytes);
+    if (s > 0 && waiting) waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
 
-    compute_rows<kCell, D, BT, true>(p, w_s, kb0, n_in, slot(s), u0, nu, acc_s);
-    __syncthreads();
+    grouped_rows<G, D, BT>(p.row_ptr, w_s, kb0, slot(s), u0, nu * G, lanes, acc_s);
+    __syncthreads();  // acc_s complete; every read of slot s % 2 done
 
-    // Cell update; h_s into slot (s + 1) % 2 of every CTA. Whole warps take part in every
-    // iteration (the shuffles); a chunk's kV lanes are all active or all idle (npairs and nthr
-    // are multiples of BT).
-    S* nxt = slot(s + 1);
+    // Cell update; h_s into slot (s + 1) % 2 here and in every peer. Whole warps take part in
+    // every iteration (the shuffles); a chunk's kV lanes are all active or all idle (npairs and
+    // nthr are multiples of BT).
+    float* nxt = slot(s + 1);
     for (int base = 0; base < npairs; base += nthr) {
       const int pi = base + tid;
       const bool active = pi < npairs;
       const int ul = pi / BT, bt = pi % BT;
-      float hnew = 0.0f;
-      if (active)
-        hnew = update_pair<kCell, D, BT>(p, s, ul, u0 + ul, bt, b_lo + bt, pi, pi == tid, xr,
-                                         acc_s, hst, cst);
-      const uint32_t bits = T::f_to_bits(hnew);
-      const int c0 = lane - bt % kV;  // first lane of this lane's chunk
-      uint32_t v[kWords > 0 ? kWords : 1];
-      if constexpr (kWords == 0) {
-        v[0] = bits;
-      } else if constexpr (sizeof(S) == 4) {
-#pragma unroll
-        for (int i = 0; i < kWords; ++i) v[i] = __shfl_sync(0xffffffffu, bits, c0 + i);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kWords; ++i) {
-          const uint32_t lo = __shfl_sync(0xffffffffu, bits, c0 + 2 * i);
-          const uint32_t hi = __shfl_sync(0xffffffffu, bits, c0 + 2 * i + 1);
-          v[i] = (lo & 0xffffu) | (hi << 16);
-        }
-      }
+      float h = 0.0f;
       if (active) {
-        const S* dst = nxt + static_cast<long long>(u0 + ul) * BT + (bt - bt % kV);
-        for (int r = bt % kV; r < csize; r += kV) st_cluster<kWords>(map_rank(dst, r), v);
+        const float hnew = update_pair<kCell, D, BT>(p, s, ul, u0 + ul, bt, b_lo + bt, pi,
+                                                     pi == tid, xr, acc_s, hst, cst);
+        h = T::to_f(T::from_f(hnew));  // what the other units see: h rounded to the dtype
+      }
+      const int c0 = lane - bt % kV;  // first lane of this lane's chunk
+      float v[kV];
+#pragma unroll
+      for (int i = 0; i < kV; ++i) v[i] = __shfl_sync(0xffffffffu, h, c0 + i);
+      if (active && send) {
+        float* own = nxt + static_cast<long long>(u0 + ul) * BT + bt;
+        *own = h;
+        for (int r = bt % kV; r < csize; r += kV)
+          if (r != rank) st_async<kV>(map_rank(own - bt % kV, r), v, map_rank(&bar[(s + 1) & 1], r));
       }
     }
-    cluster_arrive();
+    __syncthreads();  // own h_s stores and acc_s/hst reads done before the next step
   }
-  if (lmax > 0) cluster_wait();  // no CTA exits while a peer may still write to it
-
-  __syncthreads();  // the final carry is read from hst/cst by other threads than wrote it
+  // No CTA exits while a peer may still write to it or its stores are in flight.
+  cluster_arrive();
+  cluster_wait();
   write_tail<kCell, D>(p, u0, nu, lmax, b_lo, b_hi, BT, hst, cst);
 #else
   // Built for an architecture without clusters: never launched (handlers.cu checks).

@@ -247,8 +247,9 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
   // every tile is its own cluster, so a wider tile means fewer CTAs for the same batch.
   for (int bt : {16, 8, 4, 2, 1}) {
     if (bt != 1 && 2 * B <= bt) continue;
-    const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap, 0,
-                                      s_bytes_of(dtype), w_bytes_of(dtype), 2);
+    // The cluster kernel keeps its two h copies in float32 (no conversion in the row loop).
+    const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap, 0, 4,
+                                      w_bytes_of(dtype), 2);
     if (l0.total > avail) continue;
     const long long w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
     if (w_cap < pl.w_need) continue;  // all nonzeros on chip, or not this variant
@@ -257,14 +258,16 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
     pl.nb = pl.ntiles * csize;
     pl.w_cap = w_cap;
     pl.smem = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap,
-                          static_cast<int>(w_cap), s_bytes_of(dtype), w_bytes_of(dtype), 2).total;
+                          static_cast<int>(w_cap), 4, w_bytes_of(dtype), 2).total;
     pl.on_chip = true;
     pl.persistent = true;
-    // One warp per row a CTA owns (up to the tile's build limit): the rows are the critical
-    // path of a step, and there is no grid-wide exchange whose cost grows with the threads.
+    // A group of row_lanes_for() lanes per row a CTA owns (up to the tile's build limit): the
+    // rows are the critical path of a step, and there is no grid-wide exchange whose cost grows
+    // with the threads.
     const long long rows = static_cast<long long>(pl.u_cap) * gates;
-    const long long t =
-        env_int("SPRNN_CUDA_THREADS", std::clamp<long long>(round_up(32 * rows, 32), 128, 1024));
+    const long long lanes = row_lanes_for(nnz / std::max<long long>(1, H * gates), bt);
+    const long long t = env_int("SPRNN_CUDA_THREADS",
+                                std::clamp<long long>(round_up(lanes * rows, 32), 128, 1024));
     pl.threads = static_cast<int>(std::clamp<long long>(t, 64, max_threads_of_tile(bt))) / 32 * 32;
     return pl;
   }
