@@ -204,6 +204,8 @@ def main():
     ap.add_argument("--tune", action="store_true", help="time run-time knobs (env) of the kernel")
     ap.add_argument("--cluster", action="store_true",
                     help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
+    ap.add_argument("--cluster-knobs", action="store_true",
+                    help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
     ap.add_argument("--ncu-one", type=int, default=None,
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
@@ -256,6 +258,24 @@ def main():
             res.setdefault("tune", []).append(row)
             lines.append("- " + json.dumps(row))
             save()
+    if args.cluster_knobs:
+        lines += ["## Variant 5 run-time knobs (B=4, fp16, us/step)", ""]
+        knobs = [{}, {"SPRNN_CUDA_WAIT_ONE": "0"}, {"SPRNN_CUDA_ROW_LANES": "4"},
+                 {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_ROW_LANES": "32"},
+                 {"SPRNN_CUDA_THREADS": "512"}, {"SPRNN_CUDA_THREADS": "256"},
+                 {"SPRNN_CUDA_CLUSTER": "8"}]
+        os.environ["SPRNN_CUDA_VARIANT"] = "5"
+        for cell, act, H in [("rnn", "relu", 1152), ("lstm", None, 1024)]:
+            kernel, mask, xp, h0 = problem(cell, H, 4, T, 0.1, jnp.float16)
+            carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
+            f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry)
+            row = dict(cell=cell, H=H, density=0.1, variant=5)
+            time_knobs(f, xp, c0, knobs, row, T)
+            print(json.dumps(row), flush=True)
+            res.setdefault("cluster_knobs", []).append(row)
+            lines.append("- " + json.dumps(row))
+            save()
+        os.environ.pop("SPRNN_CUDA_VARIANT")
     if args.targets:
         lines += ["## Targets (B=4)", "",
                   "| config | ours | target | JAX scan | scan unroll 8 | scan unroll 32 | cuDNN LSTM |"

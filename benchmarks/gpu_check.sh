@@ -78,6 +78,8 @@ if [ "$MODE" = profile ]; then  # ncu full sections + per-SASS-line stalls, vari
     ncu -i "$OUT/variant$v.ncu-rep" --page details > "$OUT/details_variant$v.txt" 2>&1
     ncu -i "$OUT/variant$v.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/sass_variant$v.csv" 2>&1
+    $PY benchmarks/ncu_sass_top.py "$OUT/sass_variant$v.csv" 60 > "$OUT/sass_top_variant$v.txt" 2>&1
+    gzip -f "$OUT/sass_variant$v.csv"; rm -f "$OUT/variant$v.ncu-rep"
     grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ" \
       "$OUT/details_variant$v.txt" | sed "s/^/variant $v: /"
   done

@@ -235,7 +235,12 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
     int lmax = 0;
     for (int b = b_lo; b < b_hi; ++b) lmax = seq_len(p, b) > lmax ? seq_len(p, b) : lmax;
     sh_lmax = lmax;
-    sh_lanes = row_lanes_for(u1 > u0 ? n / ((u1 - u0) * G) : 0, BT);
+    int lanes = row_lanes_for(u1 > u0 ? n / ((u1 - u0) * G) : 0, BT);
+    if (p.row_lanes > 0) {  // knob: the largest power of two <= row_lanes
+      lanes = 1;
+      while (lanes * 2 <= p.row_lanes) lanes *= 2;
+    }
+    sh_lanes = lanes;
     mbar_init(&bar[0]);
     mbar_init(&bar[1]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -286,7 +291,12 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
     const bool send = s + 1 < lmax;
     // Arm the next slot's phase (its previous phase completed before step s-1 read it).
     if (tid == 0 && send) mbar_arrive_expect(&bar[(s + 1) & 1], peer_bytes);
-    if (s > 0 && waiting) waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
+    if (s > 0 && p.wait_one) {  // one thread waits, the others sleep in the block barrier
+      if (tid == 0 && waiting) waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
+      __syncthreads();
+    } else if (s > 0 && waiting) {
+      waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
+    }
 
     grouped_rows<G, D, BT>(p.row_ptr, w_s, kb0, slot(s), u0, nu * G, lanes, acc_s);
     __syncthreads();  // acc_s complete; every read of slot s % 2 done

@@ -71,6 +71,8 @@ struct Params {
   long long timeout_ns;   // per wait
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
   int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
+  int row_lanes;          // cluster kernel: lanes per row (0 = row_lanes_for)
+  int wait_one;           // cluster kernel: 1 = one thread waits for h, then a block barrier
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
