@@ -260,7 +260,7 @@ def main():
             save()
     if args.cluster_knobs:
         lines += ["## Variant 5 run-time knobs (B=4, fp16, us/step)", ""]
-        knobs = [{}, {"SPRNN_CUDA_WAIT_ONE": "0"}, {"SPRNN_CUDA_ROW_LANES": "4"},
+        knobs = [{}, {"SPRNN_CUDA_ROW_LANES": "4"},
                  {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_ROW_LANES": "32"},
                  {"SPRNN_CUDA_THREADS": "512"}, {"SPRNN_CUDA_THREADS": "256"},
                  {"SPRNN_CUDA_CLUSTER": "8"}]

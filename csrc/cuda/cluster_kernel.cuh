@@ -88,11 +88,14 @@ __device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, uint
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
 }
+// Default (.acquire.cta) semantics: the st.async bytes that completed the phase are visible to
+// the waiting threads. Not .acquire.cluster: that invalidates L1 in every waiting thread (SASS
+// CCTL.IVALL), turning the step's cached loads into L2 round trips.
 __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
       "{\n .reg .pred P;\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P, [%1], %2;\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n"
       " selp.u32 %0, 1, 0, P;\n}" : "=r"(done) : "r"(static_cast<uint32_t>(
                                         __cvta_generic_to_shared(bar))), "r"(parity) : "memory");
   return done != 0;
@@ -128,16 +131,15 @@ __device__ __forceinline__ void load_tile(const float* p, float* out) {
   }
 }
 
-// Step 2 of the cluster kernel: rows [0, nrows) of the CTA (global rows u0 * G + r) against the
-// float32 h tile hf, into acc_s[r * BT + b]. A group of `lanes` lanes (a power of two <= 32) per
+// Step 2 of the cluster kernel: rows [0, nrows) of the CTA against the float32 h tile hf, into
+// acc_s[r * BT + b]. Row r's nonzeros are w_s[rows_s[r] .. rows_s[r + 1]). A group of `lanes` lanes (a power of two <= 32) per
 // row, each lane taking every lanes-th nonzero with all BT columns, then a shuffle reduction
 // within the group. Why not one warp per row (persistent_fwd): at 16 CTAs a CTA owns ~70-260
 // rows of ~100 nonzeros, so a warp per row spends most instructions on the 5-level reduction
 // and loop set-up (ncu: 200 warp instructions per row of 115 nonzeros).
-template <int G, DType D, int BT>
-__device__ __forceinline__ void grouped_rows(const int32_t* row_ptr,
-                                             const typename Tr<D>::W* w_s, long long kb0,
-                                             const float* hf, int u0, int nrows, int lanes,
+template <DType D, int BT>
+__device__ __forceinline__ void grouped_rows(const int* rows_s, const typename Tr<D>::W* w_s,
+                                             const float* hf, int nrows, int lanes,
                                              float* acc_s) {
   using T = Tr<D>;
   using W = typename T::W;
@@ -145,22 +147,20 @@ __device__ __forceinline__ void grouped_rows(const int32_t* row_ptr,
   const int tid = threadIdx.x;
   const int sub = tid & (lanes - 1);
   const int ngroups = blockDim.x / lanes;
-  const W* wr = w_s - kb0;
   for (int base = 0; base < nrows; base += ngroups) {  // the same trip count in every warp
     const int r = base + tid / lanes;
     float acc[BT];
 #pragma unroll
     for (int i = 0; i < BT; ++i) acc[i] = 0.0f;
     if (r < nrows) {
-      const long long rg = static_cast<long long>(u0) * G + r;
-      const int k1 = __ldg(row_ptr + rg + 1);
-      int k = __ldg(row_ptr + rg) + sub;
+      const int k1 = rows_s[r + 1];
+      int k = rows_s[r] + sub;
       for (; k + (kDepth - 1) * lanes < k1; k += kDepth * lanes) {
         float v[kDepth], hv[kDepth][BT];
 #pragma unroll
         for (int q = 0; q < kDepth; ++q) {
           int col;
-          T::unpack_w(wr[k + q * lanes], v[q], col);
+          T::unpack_w(w_s[k + q * lanes], v[q], col);
           load_tile<BT>(hf + static_cast<long long>(col) * BT, hv[q]);
         }
 #pragma unroll
@@ -171,7 +171,7 @@ __device__ __forceinline__ void grouped_rows(const int32_t* row_ptr,
       for (; k < k1; k += lanes) {
         float v, hv[BT];
         int col;
-        T::unpack_w(wr[k], v, col);
+        T::unpack_w(w_s[k], v, col);
         load_tile<BT>(hf + static_cast<long long>(col) * BT, hv);
 #pragma unroll
         for (int i = 0; i < BT; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
   const int lmax = sh_lmax;  // the same in every CTA of the cluster: all take lmax steps
   const int lanes = sh_lanes;
   const SmemLayout L = smem_layout(H, BT, BT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 4,
-                                   static_cast<int>(sizeof(typename T::W)), 2);
+                                   static_cast<int>(sizeof(typename T::W)), 2, p.u_cap * G + 1);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
   float* cst = reinterpret_cast<float*>(smem + L.cst_off);
@@ -261,6 +261,9 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
   const long long kb0 = __ldg(p.row_ptr + static_cast<long long>(u0) * G);
   const long long kb1 = __ldg(p.row_ptr + static_cast<long long>(u0 + nu) * G);
   load_weights<D>(p, kb0, kb1 - kb0, w_s);
+  int* rows_s = reinterpret_cast<int*>(smem + L.r_off);  // row offsets into w_s
+  for (int i = tid; i <= nu * G; i += nthr)
+    rows_s[i] = static_cast<int>(__ldg(p.row_ptr + static_cast<long long>(u0) * G + i) - kb0);
   init_state<kCell, D>(p, u0, nu, b_lo, BT, hst, cst);
   {  // h_0 of the whole tile into slot 0 (every CTA its own copy)
     float* h0s = slot(0);
@@ -291,14 +294,10 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
     const bool send = s + 1 < lmax;
     // Arm the next slot's phase (its previous phase completed before step s-1 read it).
     if (tid == 0 && send) mbar_arrive_expect(&bar[(s + 1) & 1], peer_bytes);
-    if (s > 0 && p.wait_one) {  // one thread waits, the others sleep in the block barrier
-      if (tid == 0 && waiting) waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
-      __syncthreads();
-    } else if (s > 0 && waiting) {
-      waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
-    }
+    // Every thread waits (measured: one waiter + a block barrier is 5-9% slower).
+    if (s > 0 && waiting) waiting = mbar_wait(p, &bar[s & 1], ((s - 1) >> 1) & 1);
 
-    grouped_rows<G, D, BT>(p.row_ptr, w_s, kb0, slot(s), u0, nu * G, lanes, acc_s);
+    grouped_rows<D, BT>(rows_s, w_s, slot(s), nu * G, lanes, acc_s);
     __syncthreads();  // acc_s complete; every read of slot s % 2 done
 
     // Cell update; h_s into slot (s + 1) % 2 here and in every peer. Whole warps take part in

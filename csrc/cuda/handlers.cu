@@ -247,9 +247,10 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
   // every tile is its own cluster, so a wider tile means fewer CTAs for the same batch.
   for (int bt : {16, 8, 4, 2, 1}) {
     if (bt != 1 && 2 * B <= bt) continue;
-    // The cluster kernel keeps its two h copies in float32 (no conversion in the row loop).
+    // The cluster kernel keeps its two h copies in float32 (no conversion in the row loop) and
+    // its rows' offsets in shared memory.
     const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap, 0, 4,
-                                      w_bytes_of(dtype), 2);
+                                      w_bytes_of(dtype), 2, pl.u_cap * gates + 1);
     if (l0.total > avail) continue;
     const long long w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
     if (w_cap < pl.w_need) continue;  // all nonzeros on chip, or not this variant
@@ -258,7 +259,8 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
     pl.nb = pl.ntiles * csize;
     pl.w_cap = w_cap;
     pl.smem = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap,
-                          static_cast<int>(w_cap), 4, w_bytes_of(dtype), 2).total;
+                          static_cast<int>(w_cap), 4, w_bytes_of(dtype), 2,
+                          pl.u_cap * gates + 1).total;
     pl.on_chip = true;
     pl.persistent = true;
     // A group of row_lanes_for() lanes per row a CTA owns (up to the tile's build limit): the
@@ -528,7 +530,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
-  p.wait_one = env_int("SPRNN_CUDA_WAIT_ONE", 1) != 0 ? 1 : 0;
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)

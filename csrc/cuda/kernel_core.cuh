@@ -72,7 +72,6 @@ struct Params {
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
   int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
   int row_lanes;          // cluster kernel: lanes per row (0 = row_lanes_for)
-  int wait_one;           // cluster kernel: 1 = one thread waits for h, then a block barrier
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -381,12 +380,12 @@ __host__ __device__ __forceinline__ long long align16(long long x) { return (x +
 // h tile (h_slots copies, h_stride bytes apart: the cluster kernel double-buffers it) | row
 // results | h state | c state (lstm) | needed-column bitmap | nonzeros.
 struct SmemLayout {
-  long long h_off, h_stride, acc_off, hst_off, cst_off, m_off, w_off, total;
+  long long h_off, h_stride, acc_off, hst_off, cst_off, m_off, r_off, w_off, total;
 };
 
 __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
                                                   int u_cap, int w_cap, int s_bytes, int w_bytes,
-                                                  int h_slots = 1) {
+                                                  int h_slots = 1, int row_words = 0) {
   SmemLayout l;
   l.h_off = 0;
   l.h_stride = align16(static_cast<long long>(H) * BT * s_bytes);
@@ -394,7 +393,8 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
   l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
   l.m_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
-  l.w_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
+  l.r_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
+  l.w_off = l.r_off + align16(static_cast<long long>(row_words) * 4);
   l.total = l.w_off + align16(static_cast<long long>(w_cap) * w_bytes);
   return l;
 }
