@@ -280,23 +280,20 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
   return pl;
 }
 
-// Variant -1 (default) takes the cluster plan on sm_90+ when the whole layer fits in one
-// cluster and every cluster of the batch runs at once (one CTA per SM), else the grid plan.
-// Variant 5 asks for the cluster plan and falls back to variant 3's plan with a reason.
-// SPRNN_CUDA_CLUSTER: the largest cluster size to plan for (0 = never pick clusters by default).
+// Variant 5 asks for the cluster plan and falls back to variant 3's plan with a reason. The
+// default (-1) never picks it: measured on the H200 it is 1.05-4x slower than variant 3
+// (benchmarks/NOTES.md). SPRNN_CUDA_CLUSTER: the largest cluster size to plan for.
 Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
                const DeviceInfo& dev) {
-  const long long knob = env_int("SPRNN_CUDA_CLUSTER", dev.max_cluster);
-  const int csize = static_cast<int>(std::clamp<long long>(knob, 0, dev.max_cluster));
-  if (variant == kCluster || (variant < 0 && dev.cc_major >= 9 && csize > 0)) {
+  if (variant == kCluster) {
+    const long long knob = env_int("SPRNN_CUDA_CLUSTER", dev.max_cluster);
+    const int csize = static_cast<int>(std::clamp<long long>(knob, 0, dev.max_cluster));
     Plan c = make_cluster_plan(gates, dtype, H, B, nnz, csize, dev);
-    if (c.persistent && (variant == kCluster || c.nb <= dev.sms)) return c;
-    if (variant == kCluster) {
-      Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev);
-      g.reason = "variant 5 (clusters) does not apply: " + c.reason + "; running variant 3" +
-                 (g.reason.empty() ? "" : " (" + g.reason + ")");
-      return g;
-    }
+    if (c.persistent) return c;
+    Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev);
+    g.reason = "variant 5 (clusters) does not apply: " + c.reason + "; running variant 3" +
+               (g.reason.empty() ? "" : " (" + g.reason + ")");
+    return g;
   }
   return make_grid_plan(gates, dtype, H, B, nnz, variant, dev);
 }

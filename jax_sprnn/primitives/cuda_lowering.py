@@ -7,8 +7,7 @@ the fallback when a layer does not fit on chip. ``forward_lowering`` is register
 Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured effect):
 
 ====  =====================================================================================
- -1   default: 5 on sm_90+ when the whole layer fits in one cluster and every batch tile's
-      cluster runs at once (not yet measured; ``SPRNN_CUDA_CLUSTER=0`` turns it off), else 3
+ -1   default: the fastest, 3
   0   (a) naive sparse persistent: h in shared memory batch-major, one scalar load per batch
       value, grid-wide barrier between steps
   1   (b) + wide loads: the batch tile of a hidden unit is contiguous, one vector load
@@ -16,11 +15,13 @@ Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured 
       with ``bank_period > 0`` (the default of ``SparseWeights.from_dense``)
   3   (d) + Lamport exchange: value + step tag in one word, readers spin, no grid barrier
   4   fallback: one non-persistent sparse kernel launch per step (always works)
-  5   Hopper clusters (sm_90+, csrc/cuda/cluster_kernel.cuh): one thread block cluster of up
-      to 16 CTAs per batch tile (1-16 sequences) holds all nonzeros in its shared memory;
-      h_t goes straight into every CTA's shared memory (distributed shared memory) and one
-      cluster barrier ends the step. No grid-wide exchange, no spin waits, no co-residency
-      needed beyond the cluster. Falls back to 3 (with a warning) when the layer does not fit
+  5   Hopper clusters (sm_90+, opt-in, csrc/cuda/cluster_kernel.cuh): one thread block
+      cluster of up to 16 CTAs per batch tile (1-16 sequences) holds all nonzeros in its
+      shared memory; h_t goes into every CTA's shared memory by st.async, each store
+      counted on the receiver's mbarrier. No grid-wide exchange, no co-residency needed
+      beyond the cluster. Correct, but measured 1.05-4x slower than 3 on the H200 (16 SMs
+      instead of 132 do the rows), so the default never picks it. Falls back to 3 (with a
+      warning) when the layer does not fit one cluster
 ====  =====================================================================================
 
 The kernel itself falls back to variant 4 when the layer's hidden state tile cannot be held in
@@ -34,8 +35,9 @@ threads. Run-time knobs read by the handler at each
 call (benchmarks): ``SPRNN_CUDA_BT``, ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS``,
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
-``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16; 0 = variant -1 never
-picks it). ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
+``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
+``SPRNN_CUDA_ROW_LANES`` (variant 5: lanes per row, default from the row length).
+``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
 from __future__ import annotations
