@@ -1,6 +1,10 @@
 """Times the sparse persistent kernel against dense JAX peers on the same inputs, in one run.
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
+                                   [--cluster]
+
+--cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
+target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -198,6 +202,10 @@ def main():
     ap.add_argument("--batch", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time run-time knobs (env) of the kernel")
+    ap.add_argument("--cluster", action="store_true",
+                    help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
+    ap.add_argument("--cluster-knobs", action="store_true",
+                    help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
     ap.add_argument("--ncu-one", type=int, default=None,
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
@@ -222,7 +230,7 @@ def main():
                 gpu=jax.devices()[0].device_kind, commit=commit, jax=jax.__version__,
                 K=K, reps=REPS, T=T)
     print(json.dumps(meta), flush=True)
-    res = dict(meta=meta, targets=[], ablation=[], batch=[], sweeps=[])
+    res = dict(meta=meta, targets=[], ablation=[], batch=[], sweeps=[], cluster=[])
     lines = [f"# jax_sprnn GPU benchmark — {meta['date']}, {meta['gpu']}, commit {commit}",
              "", f"us/step, median of {REPS} calls of {K} chained recurrences, T={T}.", ""]
 
@@ -250,6 +258,24 @@ def main():
             res.setdefault("tune", []).append(row)
             lines.append("- " + json.dumps(row))
             save()
+    if args.cluster_knobs:
+        lines += ["## Variant 5 run-time knobs (B=4, fp16, us/step)", ""]
+        knobs = [{}, {"SPRNN_CUDA_ROW_LANES": "4"},
+                 {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_ROW_LANES": "32"},
+                 {"SPRNN_CUDA_THREADS": "512"}, {"SPRNN_CUDA_THREADS": "256"},
+                 {"SPRNN_CUDA_CLUSTER": "8"}]
+        os.environ["SPRNN_CUDA_VARIANT"] = "5"
+        for cell, act, H in [("rnn", "relu", 1152), ("lstm", None, 1024)]:
+            kernel, mask, xp, h0 = problem(cell, H, 4, T, 0.1, jnp.float16)
+            carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
+            f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry)
+            row = dict(cell=cell, H=H, density=0.1, variant=5)
+            time_knobs(f, xp, c0, knobs, row, T)
+            print(json.dumps(row), flush=True)
+            res.setdefault("cluster_knobs", []).append(row)
+            lines.append("- " + json.dumps(row))
+            save()
+        os.environ.pop("SPRNN_CUDA_VARIANT")
     if args.targets:
         lines += ["## Targets (B=4)", "",
                   "| config | ours | target | JAX scan | scan unroll 8 | scan unroll 32 | cuDNN LSTM |"
@@ -263,6 +289,40 @@ def main():
                          f"{fmt(r['jax_scan'])} | {fmt(r['jax_scan_unroll8'])} | "
                          f"{fmt(r['jax_scan_unroll32'])} | {fmt(r.get('cudnn_lstm'))} | "
                          f"{fmt(r['best_peer'])} | {r['best_peer'] / r['sparse_persistent']:.2f}x |")
+            save()
+    if args.cluster:
+        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+        lines += ["", "## Variant 3 (grid, Lamport) vs 5 (clusters), T=256, us/step", "",
+                  "| config | B | knob | variant 3 | variant 5 | 5 vs 3 | target | plan of 5 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        configs = [(c, a, H, d, dt, 4, tgt, {}) for c, a, H, d, dt, tgt in TARGETS]
+        configs += [("rnn", "relu", 1152, 0.1, jnp.float16, B, None, {}) for B in (1, 16, 64)]
+        configs += [("rnn", "relu", 1152, 0.1, jnp.float16, 4, 1.6, {"SPRNN_CUDA_CLUSTER": n})
+                    for n in ("8", "4")]
+        configs += [("lstm", None, 1024, 0.1, jnp.float16, 4, 2.0, {"SPRNN_CUDA_CLUSTER": "8"})]
+        for cell, act, H, d, dt, B, tgt, kn in configs:
+            os.environ.update(kn)
+            try:
+                nnz = int(round(d * H * GATES[cell] * H))
+                pl = cuda_lowering.plan(cell, dt, H, B, nnz, variant=5)
+                if not pl["cluster"]:  # too large for one cluster: variant 5 would run 3
+                    print(json.dumps(dict(cell=cell, H=H, density=d, B=B, skipped=pl["reason"])))
+                    continue
+                r = bench_config(cell, act, H, B, T, d, dt, peers=False, variants=(3, 5))
+            finally:
+                for k in kn:
+                    os.environ.pop(k, None)
+            r.update(target=tgt, knob=kn, plan5={k: pl[k] for k in (
+                "variant", "cluster", "batch_tile", "tiles", "blocks", "threads", "reason")})
+            res["cluster"].append(r)
+            name = f"{'ReLU' if cell == 'rnn' else 'LSTM'} H={H} d={d:.0%} {jnp.dtype(dt).name}"
+            how = (f"{pl['cluster']} CTAs x {pl['tiles']} tiles of {pl['batch_tile']}, "
+                   f"{pl['threads']} thr" if pl["cluster"] else "fell back to 3")
+            knob = json.dumps(kn) if kn else ""
+            lines.append(f"| {name} | {B} | {knob} | {r['variant_3']:.2f} | "
+                         f"{r['variant_5']:.2f} | {r['variant_3'] / r['variant_5']:.2f}x | "
+                         f"{fmt(tgt)} | {how} |")
             save()
     if args.ablation:
         lines += ["", "## Ablation (ReLU H=1152, d=10%, fp16, B=4, T=256)", "",

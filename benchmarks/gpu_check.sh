@@ -2,8 +2,11 @@
 # One GPU run: build, then the whole test suite, the benchmark (+ ncu bank-conflict counts) or
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
-#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|all]     (default all)
+#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
+# profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
+# cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
+#   variant 3 vs 5 on the targets (bench_gpu.py --cluster). Fits one 8-minute call.
 set -uo pipefail
 MODE="${1:-all}"
 OUT="${OUT:-benchmarks/results/run}"
@@ -60,6 +63,26 @@ if [ "$MODE" = batch ]; then  # the batch sweep first, then the large-tile kerne
   timeout 70 $PY benchmarks/bench_gpu.py --out "$OUT" --batch --quick 2>&1 | tee "$OUT/bench.log" | tail -30
   (cd /tmp && timeout 100 $PY -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
      -k "large_batch or forced or block_local or bidirectional" 2>&1) | tee "$OUT/test_batch.log" | tail -15
+fi
+if [ "$MODE" = cluster ]; then
+  REPO="$(pwd)"
+  (cd /tmp && timeout 240 $PY -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "cluster or bidirectional or public_api or vmap or tile_plans or float16-3" 2>&1) | tee "$OUT/test_cluster.log" | tail -15
+  timeout 130 $PY benchmarks/bench_gpu.py --out "$OUT" --cluster 2>&1 | tee "$OUT/bench.log" | tail -25
+fi
+if [ "$MODE" = profile ]; then  # ncu full sections + per-SASS-line stalls, variants 3 and 5
+  for v in ${PROFILE_VARIANTS:-3 5}; do
+    timeout 150 ncu --clock-control none --set full --import-source yes -c 1 \
+      -k regex:"persistent_fwd|cluster_fwd" -f -o "$OUT/variant$v" \
+      $PY benchmarks/bench_gpu.py --ncu-one $v > "$OUT/ncu_run$v.log" 2>&1
+    ncu -i "$OUT/variant$v.ncu-rep" --page details > "$OUT/details_variant$v.txt" 2>&1
+    ncu -i "$OUT/variant$v.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/sass_variant$v.csv" 2>&1
+    $PY benchmarks/ncu_sass_top.py "$OUT/sass_variant$v.csv" 60 > "$OUT/sass_top_variant$v.txt" 2>&1
+    gzip -f "$OUT/sass_variant$v.csv"; rm -f "$OUT/variant$v.ncu-rep"
+    grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ" \
+      "$OUT/details_variant$v.txt" | sed "s/^/variant $v: /"
+  done
 fi
 if [ "$MODE" = lm ]; then
   REPO="$(pwd)"

@@ -161,7 +161,7 @@ def test_large_batch_tile_plans():
                                 (jnp.float16, 64, 64, 1), (jnp.float32, 5, 8, 1),
                                 (jnp.float32, 33, 32, 2),  # 64 x H float32 does not fit
                                 (jnp.bfloat16, 16, 16, 1)]:
-        info = cuda_lowering.plan("rnn", dtype, 1152, B, nnz)
+        info = cuda_lowering.plan("rnn", dtype, 1152, B, nnz, variant=3)  # the grid planner
         assert info["persistent"] and info["on_chip"], info
         assert (info["batch_tile"], info["tiles"]) == (bt, tiles), (dtype, B, info)
         if bt >= 16:
@@ -201,6 +201,81 @@ def test_lstm_h4096_on_chip_plan():
     assert info["persistent"], info
     assert cuda_lowering.plan("lstm", jnp.float16, 4096, 2, nnz)["on_chip"]
     check("lstm", "float16", (3, 4, 4096, 0.1, "uniform"), 3, 0)
+
+
+# ---- variant 5: Hopper thread block clusters (cluster_kernel.cuh) ------------------------------
+
+def _cc_major():
+    try:
+        return int(str(jax.devices("gpu")[0].compute_capability).split(".")[0])
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+needs_sm90 = pytest.mark.skipif(_cc_major() < 9, reason="thread block clusters need sm_90+")
+
+# Batches over several clusters (one per tile of up to 16): B=17 -> two tiles of 16, 33 -> three
+# (the last with one column), 64 -> four; H below, at and above the cluster's 16 CTAs.
+CLUSTER_SHAPES = [
+    (6, 1, 300, 0.2, "uniform"),
+    (5, 2, 9, 0.5, "uniform"),
+    (7, 17, 129, 0.3, "skewed"),
+    (6, 33, 517, 0.1, "empty_rows"),
+    (5, 64, 1152, 0.1, "uniform"),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_cluster_matches_oracle(cell, dtype):
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    for n, shape in enumerate(SHAPES + CLUSTER_SHAPES):
+        check(cell, dtype, shape, 5, n)
+    for shape in CLUSTER_SHAPES[2:]:
+        check(cell, dtype, shape, 5, 1)  # ragged lengths with 0 and T, reverse
+    # The sweep above ran the cluster kernel, not only variant 5's fallback to 3.
+    gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
+    info = cuda_lowering.plan(cell, dtype, 300, 4, int(0.2 * 300 * 300 * gates), variant=5)
+    assert info["variant"] == 5 and info["cluster"] > 0, info
+
+
+@needs_sm90
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_cluster_sizes(size, monkeypatch):
+    # Smaller clusters (3: a size that is not a power of two) and the relu activation.
+    monkeypatch.setenv("SPRNN_CUDA_CLUSTER", str(size))
+    check("rnn", "float16", (9, 5, 517, 0.1, "uniform"), 5, 1, activation="relu")
+    check("lstm", "float32", (6, 9, 129, 0.3, "skewed"), 5, 4)
+
+
+def test_cluster_plans():
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    h200 = dict(sms=132, smem_optin=232448, cc_major=9, variant=5)
+    nnz = int(0.1 * 1152 * 1152)
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **h200)
+    got = (info["variant"], info["cluster"], info["batch_tile"], info["blocks"])
+    assert got == (5, 16, 4, 16), info
+    assert info["persistent"] and info["on_chip"] and not info["reason"], info
+    # LSTM H=1024 d=10% fp16 (1.7 MB of nonzeros) fits 16 CTAs; B=64 runs 4 clusters of 16.
+    lstm_nnz = int(0.1 * 1024 * 4096)
+    assert cuda_lowering.plan("lstm", jnp.float16, 1024, 4, lstm_nnz, **h200)["variant"] == 5
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, nnz, **h200)
+    got = (info["variant"], info["batch_tile"], info["tiles"], info["blocks"])
+    assert got == (5, 16, 4, 64), info
+    # Too large for one cluster, or no clusters: the grid plan (variant 5 says why).
+    big = int(0.1 * 4096 * 4 * 4096)
+    info = cuda_lowering.plan("lstm", jnp.float16, 4096, 4, big, **h200)
+    assert info["variant"] == 3 and "variant 5" in info["reason"], info
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **dict(h200, cc_major=8))
+    assert info["variant"] == 3 and "9.0" in info["reason"], info
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, max_cluster=8, **h200)
+    assert info["cluster"] == 8, info
+    # The default never picks clusters (measured slower, benchmarks/NOTES.md).
+    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, sms=132, smem_optin=232448,
+                              cc_major=9)["variant"] == 3
 
 
 def test_public_api_routes_to_kernel():

@@ -49,6 +49,9 @@ def instantiations():
                              f"sprnn::cuda::DType::{dt}, {bt}, true>")
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, 4, false>")
+            for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
+                names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
+                             f"sprnn::cuda::DType::{dt}, {bt}>")
             for k in ("step_init", "step_fwd", "step_final"):
                 names.append(f"sprnn::cuda::{k}<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}>")
     return names
@@ -73,7 +76,7 @@ def test_kernel_core_compiles_for_sm70(arch):
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(LIB.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)))
     assert major.value == 12, f"expected NVRTC 12, got {major.value}.{minor.value}"
-    src = b'#include "cuda/kernel_core.cuh"\n'
+    src = b'#include "cuda/kernel_core.cuh"\n#include "cuda/cluster_kernel.cuh"\n'
     prog = ctypes.c_void_p()
     _check(LIB.nvrtcCreateProgram(ctypes.byref(prog), src, b"sm70_check.cu", 0, None, None))
     names = instantiations()

@@ -36,6 +36,9 @@ struct DeviceInfo {
   int smem_optin = 0;  // bytes of shared memory one block may use
   int coop = 0;
   int cc_major = 0;
+  // Largest thread block cluster to plan for (0 = none): 16 on sm_90+ (the non-portable
+  // limit); the handler confirms it per kernel (cudaOccupancyMaxPotentialClusterSize).
+  int max_cluster = 0;
 };
 
 constexpr int kMaxDevices = 64;
@@ -55,6 +58,7 @@ DeviceInfo device_info(int dev) {
       cudaGetLastError();
       d = DeviceInfo{};
     }
+    d.max_cluster = d.cc_major >= 9 ? 16 : 0;
     cache[dev] = d;
   });
   return cache[dev];
@@ -62,7 +66,9 @@ DeviceInfo device_info(int dev) {
 
 // ---- planning ---------------------------------------------------------------------------------
 
-enum Variant : int { kNaive = 0, kWideBarrier = 1, kBankAware = 2, kLamport = 3, kStepLoop = 4 };
+enum Variant : int {
+  kNaive = 0, kWideBarrier = 1, kBankAware = 2, kLamport = 3, kStepLoop = 4, kCluster = 5
+};
 
 struct Plan {
   bool persistent = false;
@@ -71,6 +77,7 @@ struct Plan {
   int variant = kLamport;
   int bt = 1, ntiles = 1, nb = 0, threads = 1024;
   int alpha = 1, u_cap = 0;
+  int cluster = 0;  // > 0: the cluster kernel with clusters of this many CTAs, one per tile
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
@@ -100,8 +107,9 @@ long long workspace_bytes(int gates, int dtype, long long H, long long B) {
   return kHeaderBytes + counters_bytes(B) + std::max(xbuf, step);
 }
 
-Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-               const DeviceInfo& dev) {
+// The grid-wide plan (variants 0-4: persistent_fwd or the per-step fallback).
+Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
+                    const DeviceInfo& dev) {
   Plan pl;
   pl.variant = variant < 0 ? kLamport : variant;
   if (pl.variant > kStepLoop) pl.variant = kLamport;
@@ -208,6 +216,88 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
   return best;
 }
 
+// The cluster plan (variant 5, cluster_kernel.cuh): one cluster of `csize` CTAs per batch tile,
+// each cluster holding all of the layer's nonzeros in its CTAs' shared memory plus two copies of
+// the h tile per CTA. Returns persistent = false with the reason when the layer does not fit.
+Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long nnz, int csize,
+                       const DeviceInfo& dev) {
+  Plan pl;
+  pl.variant = kCluster;
+  pl.lamport = false;
+  if (dev.cc_major < 9 || csize < 1) {
+    pl.reason = "thread block clusters need compute capability 9.0+";
+    return pl;
+  }
+  if (dtype != 0 && H > 65535) {
+    pl.reason = "16-bit layers with H > 65535 do not fit the packed 16-bit column index";
+    return pl;
+  }
+  if (B < 1 || H < 1) {
+    pl.reason = "empty batch";
+    return pl;
+  }
+  pl.cluster = csize;
+  pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
+  const long long total = nnz + static_cast<long long>(pl.alpha) * H;
+  pl.u_cap = static_cast<int>(std::min<long long>(H, (total / csize + 1) / pl.alpha + 2));
+  pl.w_need = (nnz + csize - 1) / csize + (nnz + H - 1) / H;
+  const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
+  const bool lstm = gates == 4;
+  // Tiles largest first from the smallest that holds the batch (as make_grid_plan, up to 16):
+  // every tile is its own cluster, so a wider tile means fewer CTAs for the same batch.
+  for (int bt : {16, 8, 4, 2, 1}) {
+    if (bt != 1 && 2 * B <= bt) continue;
+    // The cluster kernel keeps its two h copies in float32 (no conversion in the row loop) and
+    // its rows' offsets in shared memory.
+    const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap, 0, 4,
+                                      w_bytes_of(dtype), 2, pl.u_cap * gates + 1);
+    if (l0.total > avail) continue;
+    const long long w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
+    if (w_cap < pl.w_need) continue;  // all nonzeros on chip, or not this variant
+    pl.bt = bt;
+    pl.ntiles = static_cast<int>((B + bt - 1) / bt);
+    pl.nb = pl.ntiles * csize;
+    pl.w_cap = w_cap;
+    pl.smem = smem_layout(static_cast<int>(H), bt, bt, gates, lstm, pl.u_cap,
+                          static_cast<int>(w_cap), 4, w_bytes_of(dtype), 2,
+                          pl.u_cap * gates + 1).total;
+    pl.on_chip = true;
+    pl.persistent = true;
+    // A group of row_lanes_for() lanes per row a CTA owns (up to the tile's build limit): the
+    // rows are the critical path of a step, and there is no grid-wide exchange whose cost grows
+    // with the threads.
+    const long long rows = static_cast<long long>(pl.u_cap) * gates;
+    const long long lanes = row_lanes_for(nnz / std::max<long long>(1, H * gates), bt);
+    const long long t = env_int("SPRNN_CUDA_THREADS",
+                                std::clamp<long long>(round_up(lanes * rows, 32), 128, 1024));
+    pl.threads = static_cast<int>(std::clamp<long long>(t, 64, max_threads_of_tile(bt))) / 32 * 32;
+    return pl;
+  }
+  pl.persistent = false;
+  pl.cluster = 0;
+  pl.reason = "the layer's " + std::to_string(nnz) + " nonzeros and h tile do not fit in the "
+              "shared memory of one cluster of " + std::to_string(csize) + " blocks";
+  return pl;
+}
+
+// Variant 5 asks for the cluster plan and falls back to variant 3's plan with a reason. The
+// default (-1) never picks it: measured on the H200 it is 1.05-4x slower than variant 3
+// (benchmarks/NOTES.md). SPRNN_CUDA_CLUSTER: the largest cluster size to plan for.
+Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
+               const DeviceInfo& dev) {
+  if (variant == kCluster) {
+    const long long knob = env_int("SPRNN_CUDA_CLUSTER", dev.max_cluster);
+    const int csize = static_cast<int>(std::clamp<long long>(knob, 0, dev.max_cluster));
+    Plan c = make_cluster_plan(gates, dtype, H, B, nnz, csize, dev);
+    if (c.persistent) return c;
+    Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev);
+    g.reason = "variant 5 (clusters) does not apply: " + c.reason + "; running variant 3" +
+               (g.reason.empty() ? "" : " (" + g.reason + ")");
+    return g;
+  }
+  return make_grid_plan(gates, dtype, H, B, nnz, variant, dev);
+}
+
 // Raises a kernel's dynamic shared-memory limit once (per device is not needed: the attribute is
 // per function and the largest request wins).
 std::mutex g_attr_mu;
@@ -233,6 +323,98 @@ KernelFn pick_persistent(Cell cell, int dtype, int bt, bool wide) {
     case Cell::kGru: return pick_persistent_gru(dtype, bt, wide);
     default: return pick_persistent_rnn(dtype, bt, wide);
   }
+}
+
+KernelFn pick_cluster(Cell cell, int dtype, int bt) {
+  switch (cell) {
+    case Cell::kLstm: return pick_cluster_lstm(dtype, bt);
+    case Cell::kGru: return pick_cluster_gru(dtype, bt);
+    default: return pick_cluster_rnn(dtype, bt);
+  }
+}
+
+// Whether a cluster launch of fn with this configuration can run: the kernel was built with
+// sm_90 code (else it is the stub), the cluster size is launchable (max_ok: the largest that
+// is) and at least one cluster fits on the GPU. Cached per configuration: the queries cost
+// microseconds. Query failures count as "cannot run" (the caller falls back).
+struct ClusterFit {
+  KernelFn fn = nullptr;
+  int threads = 0, cluster = 0;
+  long long smem = 0;
+  int max_ok = 0;
+  bool ok = false;
+};
+std::mutex g_cluster_mu;
+ClusterFit cluster_fit(KernelFn fn, const cudaLaunchConfig_t& cfg, int cluster) {
+  static ClusterFit cache[64];
+  static int ncache = 0;
+  std::lock_guard<std::mutex> lock(g_cluster_mu);
+  for (int i = 0; i < ncache; ++i) {
+    const ClusterFit& c = cache[i];
+    if (c.fn == fn && c.threads == static_cast<int>(cfg.blockDim.x) && c.cluster == cluster &&
+        c.smem == static_cast<long long>(cfg.dynamicSmemBytes))
+      return c;
+  }
+  ClusterFit r;
+  r.fn = fn;
+  r.threads = static_cast<int>(cfg.blockDim.x);
+  r.cluster = cluster;
+  r.smem = static_cast<long long>(cfg.dynamicSmemBytes);
+  cudaFuncAttributes fa{};
+  int active = 0;
+  cudaLaunchConfig_t plain = cfg;  // the largest cluster for this block size and smem
+  plain.attrs = nullptr;
+  plain.numAttrs = 0;
+  if (cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(fn)) == cudaSuccess &&
+      fa.ptxVersion >= 90 &&
+      cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                           cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+      cudaOccupancyMaxPotentialClusterSize(&r.max_ok, reinterpret_cast<const void*>(fn), &plain) ==
+          cudaSuccess) {
+    if (r.max_ok >= cluster &&
+        cudaOccupancyMaxActiveClusters(&active, reinterpret_cast<const void*>(fn), &cfg) ==
+            cudaSuccess)
+      r.ok = active >= 1;
+  }
+  cudaGetLastError();  // a failed query is not the caller's error
+  if (!r.ok && r.max_ok >= cluster) r.max_ok = cluster - 1;
+  if (ncache < 64) cache[ncache++] = r;
+  return r;
+}
+
+// Launches the plan's cluster kernel. launched = false (with cudaSuccess) when this
+// configuration cannot run here; max_ok is then the largest cluster size worth re-planning for.
+cudaError_t launch_cluster(Cell cell, int dtype, const Plan& pl, const Params& p,
+                           cudaStream_t stream, bool& launched, int& max_ok) {
+  launched = false;
+  max_ok = 0;
+  KernelFn fn = pick_cluster(cell, dtype, pl.bt);
+  if (fn == nullptr) return cudaSuccess;
+  if (cudaError_t e = ensure_smem(fn, pl.smem); e != cudaSuccess) return e;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(pl.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(pl.nb));
+  cfg.blockDim = dim3(static_cast<unsigned>(pl.threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(pl.smem);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const ClusterFit fit = cluster_fit(fn, cfg, pl.cluster);
+  max_ok = fit.max_ok;
+  if (!fit.ok) return cudaSuccess;
+  Params q = p;
+  q.ntiles = pl.ntiles;
+  q.lamport = 0;
+  q.alpha = pl.alpha;
+  q.u_cap = pl.u_cap;
+  q.w_cap = static_cast<int>(pl.w_cap);
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, fn, q); e != cudaSuccess) return e;
+  launched = true;
+  return cudaSuccess;
 }
 
 cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
@@ -344,13 +526,27 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
+  p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
     return cuda_error(target, "cudaMemsetAsync(workspace)", e);
 
   bool launched = false;
-  if (pl.persistent) {
+  // The cluster plan, re-planned for a smaller cluster (or the grid plan) when this kernel
+  // cannot launch the planned one here.
+  for (int attempt = 0; pl.persistent && pl.cluster > 0 && !launched && attempt < 3; ++attempt) {
+    int max_ok = 0;
+    if (cudaError_t e = launch_cluster(cell, dtype, pl, p, stream, launched, max_ok);
+        e != cudaSuccess)
+      return cuda_error(target, "cluster launch of the persistent kernel", e);
+    if (!launched) {
+      DeviceInfo d = info;
+      d.max_cluster = attempt < 2 ? std::min(max_ok, pl.cluster - 1) : 0;
+      pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), d);
+    }
+  }
+  if (!launched && pl.persistent && pl.cluster == 0) {
     KernelFn fn = pick_persistent(cell, dtype, pl.bt, pl.wide);
     int occ = 0;
     cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
@@ -399,10 +595,15 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     if (*host_flag != 0)
       return ffi::Error::Internal(
           std::string(target) +
-          ": the sparse persistent kernel timed out waiting for other blocks (flag " +
-          std::to_string(*host_flag) +
-          "); its blocks were probably not co-resident. Outputs are invalid. Set "
-          "SPRNN_CUDA_TIMEOUT_MS to change the limit or pass variant=4 for the per-step path.");
+          (*host_flag == 1
+               ? ": the sparse persistent kernel timed out waiting for other blocks (flag 1); "
+                 "its blocks were probably not co-resident. Outputs are invalid. Set "
+                 "SPRNN_CUDA_TIMEOUT_MS to change the limit or pass variant=4 for the per-step "
+                 "path."
+               : ": the sparse persistent kernel aborted (flag " + std::to_string(*host_flag) +
+                     ": 2 = a block's units exceed the planned capacity, 3 = the cluster kernel "
+                     "ran without sm_90 code). Outputs are invalid; pass variant=4 for the "
+                     "per-step path."));
   }
   return ffi::Error::Success();
 }
@@ -520,13 +721,15 @@ py::capsule encapsulate(T* fn) {
 }
 
 py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-                   int sms, int smem_optin) {
+                   int sms, int smem_optin, int cc_major, int max_cluster) {
   using namespace sprnn::cuda;
   DeviceInfo d;
   if (sms > 0) {
     d.sms = sms;
     d.smem_optin = smem_optin;
     d.coop = 1;
+    d.cc_major = cc_major;
+    d.max_cluster = cc_major >= 9 ? (max_cluster > 0 ? max_cluster : 16) : 0;
   } else {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) cudaGetLastError();
@@ -547,6 +750,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["nnz_per_block_needed"] = pl.w_need;
   r["smem_bytes"] = pl.smem;
   r["on_chip"] = pl.on_chip;
+  r["cluster"] = pl.cluster;
   r["reason"] = pl.reason;
   r["sms"] = d.sms;
   r["smem_optin"] = d.smem_optin;
@@ -570,7 +774,7 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   }, py::arg("gates"), py::arg("dtype"), py::arg("hidden"), py::arg("batch"));
   m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
         py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
-        py::arg("smem_optin") = 0,
-        "The kernel's placement plan for a layer (sms/smem_optin: a hypothetical GPU; "
-        "0 = the current device).");
+        py::arg("smem_optin") = 0, py::arg("cc_major") = 0, py::arg("max_cluster") = 0,
+        "The kernel's placement plan for a layer (sms/smem_optin/cc_major/max_cluster: a "
+        "hypothetical GPU, max_cluster 0 = 16 when cc_major >= 9; sms 0 = the current device).");
 }

@@ -71,6 +71,7 @@ struct Params {
   long long timeout_ns;   // per wait
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
   int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
+  int row_lanes;          // cluster kernel: lanes per row (0 = row_lanes_for)
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -376,20 +377,24 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
 
 __host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
 
-// h tile | row results | h state | c state (lstm) | needed-column bitmap | nonzeros.
+// h tile (h_slots copies, h_stride bytes apart: the cluster kernel double-buffers it) | row
+// results | h state | c state (lstm) | needed-column bitmap | nonzeros.
 struct SmemLayout {
-  long long h_off, acc_off, hst_off, cst_off, m_off, w_off, total;
+  long long h_off, h_stride, acc_off, hst_off, cst_off, m_off, r_off, w_off, total;
 };
 
 __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
-                                                  int u_cap, int w_cap, int s_bytes, int w_bytes) {
+                                                  int u_cap, int w_cap, int s_bytes, int w_bytes,
+                                                  int h_slots = 1, int row_words = 0) {
   SmemLayout l;
   l.h_off = 0;
-  l.acc_off = align16(static_cast<long long>(H) * BT * s_bytes);
+  l.h_stride = align16(static_cast<long long>(H) * BT * s_bytes);
+  l.acc_off = h_slots * l.h_stride;
   l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
   l.m_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
-  l.w_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
+  l.r_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
+  l.w_off = l.r_off + align16(static_cast<long long>(row_words) * 4);
   l.total = l.w_off + align16(static_cast<long long>(w_cap) * w_bytes);
   return l;
 }
@@ -408,6 +413,229 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
     return true;
   }
   return false;
+}
+
+// ---- per-step pieces shared by persistent_fwd and cluster_fwd (cluster_kernel.cuh) -------------
+
+// Length of sequence b clamped to [0, T]; 0 for padding columns (b >= B).
+__device__ __forceinline__ int seq_len(const Params& p, int b) {
+  if (b >= p.B) return 0;
+  const int len = __ldg(p.lengths + b);
+  return len < 0 ? 0 : (len > p.T ? p.T : len);
+}
+
+// The G input projections of (unit u, sequence b) at step s < len, as float32.
+template <DType D, int G>
+__device__ __forceinline__ void load_x_pair(const Params& p, int s, int len, int b, int u,
+                                            float* x) {
+  using S = typename Tr<D>::S;
+  const int t = step_time(s, len, p.reverse != 0);
+  const S* xq = static_cast<const S*>(p.xp) +
+                (static_cast<long long>(t) * p.B + b) * G * static_cast<long long>(p.H) + u;
+#pragma unroll
+  for (int g = 0; g < G; ++g) x[g] = Tr<D>::to_f(xq[static_cast<long long>(g) * p.H]);
+}
+
+// Copies nonzeros [kb0, kb0 + n_in) into shared memory as packed (value, column) words.
+template <DType D>
+__device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
+                                             typename Tr<D>::W* w_s) {
+  using T = Tr<D>;
+  const typename T::S* vals = static_cast<const typename T::S*>(p.values);
+  for (long long k = threadIdx.x; k < n_in; k += blockDim.x)
+    w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k));
+}
+
+// The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
+// padding columns b >= B): hst/cst[ul * bpad + b - b_lo] from h0/c0.
+template <Cell kCell, DType D>
+__device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int b_lo, int bpad,
+                                           float* hst, float* cst) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  for (int i = threadIdx.x; i < nu * bpad; i += blockDim.x) {
+    const int ul = i / bpad, b = b_lo + i % bpad;
+    const long long g = static_cast<long long>(b) * p.H + u0 + ul;
+    hst[i] = b < p.B ? T::to_f(static_cast<const S*>(p.h0)[g]) : 0.0f;
+    if constexpr (kCell == Cell::kLstm)
+      cst[i] = b < p.B ? T::to_f(static_cast<const S*>(p.c0)[g]) : 0.0f;
+  }
+}
+
+// Step 2, the rows: the dot products of the block's rows [u0 * G, (u0 + nu) * G) with the h
+// tile h_s, into acc_s[r * BT + b]. One warp per packed row. Slice `sl` of the warp (kLPN
+// lanes) takes the row's nonzeros k0 + sl, k0 + sl + kNS, ...; each lane accumulates its kNV
+// batch columns [b0, b0 + kNV) in float32, then the slices are summed by warp shuffles. With
+// kLPN = 1 a row's k-th nonzero goes to lane k % 32, which is what the bank-aware packing
+// order assumes. Nonzeros [kb0, kb0 + n_in) are in w_s; the rest are read from global memory.
+template <Cell kCell, DType D, int BT, bool kWide>
+__device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
+                                             long long kb0, long long n_in,
+                                             const typename Tr<D>::S* h_s, int u0, int nu,
+                                             float* acc_s) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  using W = typename T::W;
+  constexpr int G = gates_of(kCell);
+  // Row mapping (see persistent_fwd): kNV batch columns per lane, kLPN lanes per nonzero.
+  constexpr int kNV = kWide ? (static_cast<int>(sizeof(S)) * BT <= 16 ? BT : 16 / static_cast<int>(sizeof(S))) : BT;
+  constexpr int kLPN = BT / kNV;
+  constexpr int kNS = 32 / kLPN;
+  const int H = p.H;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int nwarps = blockDim.x >> 5;
+  const S* vals = static_cast<const S*>(p.values);
+  const int32_t* row_ptr = p.row_ptr;
+  const int32_t* col_idx = p.col_idx;
+  const int sl = lane / kLPN;
+  const int b0 = (lane % kLPN) * kNV;
+  for (int r = warp; r < nu * G; r += nwarps) {
+    const long long rg = static_cast<long long>(u0) * G + r;
+    const int k0 = __ldg(row_ptr + rg);
+    const int k1 = __ldg(row_ptr + rg + 1);
+    float acc[kNV];
+#pragma unroll
+    for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
+    if (k1 - kb0 <= n_in) {
+      const W* wr = w_s - kb0;
+      int k = k0 + sl;
+      // Four nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
+      for (; k + 3 * kNS < k1; k += 4 * kNS) {
+        W wq[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) wq[q] = wr[k + kNS * q];
+        float v[4], hv[4][kNV];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          int col;
+          T::unpack_w(wq[q], v[q], col);
+          gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
+      }
+      for (; k < k1; k += kNS) {
+        float v;
+        int col;
+        T::unpack_w(wr[k], v, col);
+        float hv[kNV];
+        gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
+#pragma unroll
+        for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+      }
+    } else {
+#pragma unroll 4
+      for (int k = k0 + sl; k < k1; k += kNS) {
+        const float v = T::to_f(vals[k]);
+        const int col = __ldg(col_idx + k);
+        float hv[kNV];
+        gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
+#pragma unroll
+        for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off >= kLPN; off >>= 1) {
+#pragma unroll
+      for (int i = 0; i < kNV; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+    }
+    if (lane < kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
+#pragma unroll
+      for (int i = 0; i < kNV; ++i) acc_s[r * BT + b0 + i] = acc[i];
+    }
+  }
+}
+
+// Step 3 for one pair (unit u = u0 + ul, column bt of the tile = sequence b, state index si):
+// the cell from the row results acc_s and the input projection (xr when have_x, else loaded),
+// the ys/cs writes (zeros at padding positions s >= L_b) and the float32 state hst/cst[si].
+// Returns the new h (the previous one past the sequence's end).
+template <Cell kCell, DType D, int BT>
+__device__ __forceinline__ float update_pair(const Params& p, int s, int ul, int u, int bt, int b,
+                                             int si, bool have_x, const float* xr,
+                                             const float* acc_s, float* hst, float* cst) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  constexpr int G = gates_of(kCell);
+  const int B = p.B, H = p.H;
+  const int len = seq_len(p, b);
+  const bool valid = s < len;
+  float x[G];
+  if (have_x) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) x[g] = xr[g];
+  } else {
+#pragma unroll
+    for (int g = 0; g < G; ++g) x[g] = 0.0f;
+    if (valid) load_x_pair<D, G>(p, s, len, b, u, x);
+  }
+  const float hprev = hst[si];
+  float hnew = hprev;
+  S* ys = static_cast<S*>(p.ys);
+  S* cs = static_cast<S*>(p.cs);
+  if (valid) {
+    const int t = step_time(s, len, p.reverse != 0);
+    const long long o = (static_cast<long long>(t) * B + b) * H + u;
+    if constexpr (kCell == Cell::kLstm) {
+      float pre[4];
+#pragma unroll
+      for (int g = 0; g < 4; ++g) pre[g] = x[g] + acc_s[(ul * 4 + g) * BT + bt];
+      float c = cst[si];
+      hnew = lstm_step(pre, c);
+      cst[si] = c;
+      cs[o] = T::from_f(c);
+    } else if constexpr (kCell == Cell::kGru) {
+      float hw[3];
+#pragma unroll
+      for (int g = 0; g < 3; ++g) hw[g] = acc_s[(ul * 3 + g) * BT + bt];
+      const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
+      hnew = gru_step(x, hw, bh, hprev);
+    } else {
+      const float hw = acc_s[ul * BT + bt];
+      hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw) : rnn_step<Cell::kRnnTanh>(x[0], hw);
+    }
+    hst[si] = hnew;
+    ys[o] = T::from_f(hnew);
+  } else if (b < B) {
+    // Step s >= L_b: time position s is padding.
+    const long long o = (static_cast<long long>(s) * B + b) * H + u;
+    ys[o] = T::from_f(0.0f);
+    if constexpr (kCell == Cell::kLstm) cs[o] = T::from_f(0.0f);
+  }
+  return hnew;
+}
+
+// After the step loop (callers barrier first: hst/cst were written by other threads): zero ys
+// (and cs) at steps [lmax, T) of sequences [b_lo, b_hi) for the block's units, and write their
+// final carry from the state (index ul * bpad + b - b_lo).
+template <Cell kCell, DType D>
+__device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int lmax, int b_lo,
+                                           int b_hi, int bpad, const float* hst, const float* cst) {
+  using T = Tr<D>;
+  using S = typename T::S;
+  const int B = p.B, H = p.H;
+  const int nbs = b_hi - b_lo;
+  S* ys = static_cast<S*>(p.ys);
+  S* cs = static_cast<S*>(p.cs);
+  const long long pad_n = static_cast<long long>(p.T - lmax) * nbs * nu;
+  for (long long i = threadIdx.x; i < pad_n; i += blockDim.x) {
+    const int ul = static_cast<int>(i % nu);
+    const long long sb = i / nu;  // (s - lmax) * nbs + (b - b_lo)
+    const long long s = lmax + sb / nbs;
+    const int b = b_lo + static_cast<int>(sb % nbs);
+    const long long o = (s * B + b) * H + u0 + ul;
+    ys[o] = T::from_f(0.0f);
+    if constexpr (kCell == Cell::kLstm) cs[o] = T::from_f(0.0f);
+  }
+  for (int i = threadIdx.x; i < nu * nbs; i += blockDim.x) {
+    const int ul = i % nu, bl = i / nu;
+    const long long o = static_cast<long long>(b_lo + bl) * H + u0 + ul;
+    static_cast<S*>(p.hT)[o] = T::from_f(hst[ul * bpad + bl]);
+    if constexpr (kCell == Cell::kLstm) static_cast<S*>(p.cT)[o] = T::from_f(cst[ul * bpad + bl]);
+  }
 }
 
 // ---- the persistent kernel ----------------------------------------------------------------------
@@ -445,7 +673,6 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   // broadcast) and contiguous h (h_s[col * BT + b0 .. + kNV]); registers stay those of BT = 8.
   constexpr int kNV = kWide ? (static_cast<int>(sizeof(S)) * BT <= 16 ? BT : 16 / static_cast<int>(sizeof(S))) : BT;
   constexpr int kLPN = BT / kNV;
-  constexpr int kNS = 32 / kLPN;
   // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
   // where the h gathers dominate (H * BT words per block and round), and at 64 registers (tiles
   // up to 8) its set-up code makes ptxas spill more.
@@ -456,9 +683,6 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int nwarps = nthr >> 5;
   const int nb = gridDim.x;
   const int H = p.H, B = p.B, nT = p.T;
   const int bpad = p.ntiles * BT;
@@ -495,10 +719,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   float* cst = reinterpret_cast<float*>(smem + L.cst_off);
   W* w_s = reinterpret_cast<W*>(smem + L.w_off);
 
-  const S* xp = static_cast<const S*>(p.xp);
-  const S* vals = static_cast<const S*>(p.values);
   const int32_t* row_ptr = p.row_ptr;
-  const int32_t* col_idx = p.col_idx;
   const long long kb0 = __ldg(row_ptr + static_cast<long long>(u0) * G);
   const long long kb1 = __ldg(row_ptr + static_cast<long long>(u0 + nu) * G);
   const long long n_in = (kb1 - kb0) < p.w_cap ? (kb1 - kb0) : p.w_cap;
@@ -510,26 +731,16 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-  for (long long k = tid; k < n_in; k += nthr) {
-    w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(col_idx + kb0 + k));
-  }
+  load_weights<D>(p, kb0, n_in, w_s);
   const bool filter = kFilter && p.col_filter != 0;
   if constexpr (kFilter)
     for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
-  for (int i = tid; i < nu * bpad; i += nthr) {
-    const int ul = i / bpad, b = i % bpad;
-    const long long g = static_cast<long long>(b) * H + u0 + ul;
-    hst[i] = b < B ? T::to_f(static_cast<const S*>(p.h0)[g]) : 0.0f;
-    if constexpr (kLstmCell) cst[i] = b < B ? T::to_f(static_cast<const S*>(p.c0)[g]) : 0.0f;
-  }
+  init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
   // (cmask is first read after step 0's gather barrier.)
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, cmask);
 
   const int npairs = nu * BT;
-  const long long GH = static_cast<long long>(G) * H;
-  S* ys = static_cast<S*>(p.ys);
-  S* cs = static_cast<S*>(p.cs);
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -545,16 +756,8 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
       for (int g = 0; g < G; ++g) xr[g] = 0.0f;
       if (tid < npairs) {
         const int b = j * BT + tid % BT;
-        if (b < B) {
-          int len = __ldg(p.lengths + b);
-          len = len < 0 ? 0 : (len > nT ? nT : len);
-          if (s < len) {
-            const int t = step_time(s, len, p.reverse != 0);
-            const S* xq = xp + (static_cast<long long>(t) * B + b) * GH + u0 + tid / BT;
-#pragma unroll
-            for (int g = 0; g < G; ++g) xr[g] = T::to_f(xq[static_cast<long long>(g) * H]);
-          }
-        }
+        const int len = seq_len(p, b);
+        if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
       }
 
       // 1. h_{s-1} of this tile into shared memory.
@@ -655,72 +858,8 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
       }
       if (__syncthreads_or(aborted)) return;
 
-      // 2. Rows: one warp per packed row. Slice `sl` of the warp (kLPN lanes) takes the row's
-      //    nonzeros k0 + sl, k0 + sl + kNS, ...; each lane accumulates its kNV batch columns
-      //    [b0, b0 + kNV) in float32, then the slices are summed by warp shuffles. With
-      //    kLPN = 1 a row's k-th nonzero goes to lane k % 32, which is what the bank-aware
-      //    packing order assumes.
-      {
-        const int sl = lane / kLPN;
-        const int b0 = (lane % kLPN) * kNV;
-        for (int r = warp; r < nu * G; r += nwarps) {
-          const long long rg = static_cast<long long>(u0) * G + r;
-          const int k0 = __ldg(row_ptr + rg);
-          const int k1 = __ldg(row_ptr + rg + 1);
-          float acc[kNV];
-#pragma unroll
-          for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
-          if (k1 - kb0 <= n_in) {
-            const W* wr = w_s - kb0;
-            int k = k0 + sl;
-            // Four nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
-            for (; k + 3 * kNS < k1; k += 4 * kNS) {
-              W wq[4];
-#pragma unroll
-              for (int q = 0; q < 4; ++q) wq[q] = wr[k + kNS * q];
-              float v[4], hv[4][kNV];
-#pragma unroll
-              for (int q = 0; q < 4; ++q) {
-                int col;
-                T::unpack_w(wq[q], v[q], col);
-                gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
-              }
-#pragma unroll
-              for (int q = 0; q < 4; ++q)
-#pragma unroll
-                for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
-            }
-            for (; k < k1; k += kNS) {
-              float v;
-              int col;
-              T::unpack_w(wr[k], v, col);
-              float hv[kNV];
-              gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
-#pragma unroll
-              for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
-            }
-          } else {
-#pragma unroll 4
-            for (int k = k0 + sl; k < k1; k += kNS) {
-              const float v = T::to_f(vals[k]);
-              const int col = __ldg(col_idx + k);
-              float hv[kNV];
-              gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
-#pragma unroll
-              for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
-            }
-          }
-#pragma unroll
-          for (int off = 16; off >= kLPN; off >>= 1) {
-#pragma unroll
-            for (int i = 0; i < kNV; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-          }
-          if (lane < kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
-#pragma unroll
-            for (int i = 0; i < kNV; ++i) acc_s[r * BT + b0 + i] = acc[i];
-          }
-        }
-      }
+      // 2. Rows (compute_rows above).
+      compute_rows<kCell, D, BT, kWide>(p, w_s, kb0, n_in, h_s, u0, nu, acc_s);
       __syncthreads();
 
       // 3. Cell update and publish.
@@ -728,58 +867,8 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
         const int ul = pi / BT, bt = pi % BT;
         const int u = u0 + ul;
         const int b = j * BT + bt;
-        int len = 0;
-        if (b < B) {
-          len = __ldg(p.lengths + b);
-          len = len < 0 ? 0 : (len > nT ? nT : len);
-        }
-        const bool valid = s < len;
-        float x[G];
-        if (pi == tid) {
-#pragma unroll
-          for (int g = 0; g < G; ++g) x[g] = xr[g];
-        } else {
-#pragma unroll
-          for (int g = 0; g < G; ++g) x[g] = 0.0f;
-          if (valid) {
-            const int t = step_time(s, len, p.reverse != 0);
-            const S* xq = xp + (static_cast<long long>(t) * B + b) * GH + u;
-#pragma unroll
-            for (int g = 0; g < G; ++g) x[g] = T::to_f(xq[static_cast<long long>(g) * H]);
-          }
-        }
-        const int si = ul * bpad + b;
-        const float hprev = hst[si];
-        float hnew = hprev;
-        if (valid) {
-          const int t = step_time(s, len, p.reverse != 0);
-          const long long o = (static_cast<long long>(t) * B + b) * H + u;
-          if constexpr (kCell == Cell::kLstm) {
-            float pre[4];
-#pragma unroll
-            for (int g = 0; g < 4; ++g) pre[g] = x[g] + acc_s[(ul * 4 + g) * BT + bt];
-            float c = cst[si];
-            hnew = lstm_step(pre, c);
-            cst[si] = c;
-            cs[o] = T::from_f(c);
-          } else if constexpr (kCell == Cell::kGru) {
-            float hw[3];
-#pragma unroll
-            for (int g = 0; g < 3; ++g) hw[g] = acc_s[(ul * 3 + g) * BT + bt];
-            const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
-            hnew = gru_step(x, hw, bh, hprev);
-          } else {
-            const float hw = acc_s[ul * BT + bt];
-            hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw) : rnn_step<Cell::kRnnTanh>(x[0], hw);
-          }
-          hst[si] = hnew;
-          ys[o] = T::from_f(hnew);
-        } else if (b < B) {
-          // Step s >= L_b: time position s is padding.
-          const long long o = (static_cast<long long>(s) * B + b) * H + u;
-          ys[o] = T::from_f(0.0f);
-          if constexpr (kLstmCell) cs[o] = T::from_f(0.0f);
-        }
+        const float hnew = update_pair<kCell, D, BT>(p, s, ul, u, bt, b, ul * bpad + b, pi == tid,
+                                                     xr, acc_s, hst, cst);
         const long long xo = tile_off + static_cast<long long>(u) * BT + bt;
         if (p.lamport) {
           st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
@@ -804,20 +893,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   // Padding steps after the longest sequence, and the final carry (hst/cst were written by
   // the cell-update threads: barrier first).
   __syncthreads();
-  const long long pad_n = static_cast<long long>(nT - lmax) * B * nu;
-  for (long long i = tid; i < pad_n; i += nthr) {
-    const int ul = static_cast<int>(i % nu);
-    const long long sb = i / nu;  // (s - lmax) * B + b
-    const long long o = (static_cast<long long>(lmax) * B + sb) * H + u0 + ul;
-    ys[o] = T::from_f(0.0f);
-    if constexpr (kLstmCell) cs[o] = T::from_f(0.0f);
-  }
-  for (int i = tid; i < nu * B; i += nthr) {
-    const int ul = i % nu, b = i / nu;
-    const long long o = static_cast<long long>(b) * H + u0 + ul;
-    static_cast<S*>(p.hT)[o] = T::from_f(hst[ul * bpad + b]);
-    if constexpr (kLstmCell) static_cast<S*>(p.cT)[o] = T::from_f(cst[ul * bpad + b]);
-  }
+  write_tail<kCell, D>(p, u0, nu, lmax, 0, B, bpad, hst, cst);
 }
 
 // ---- fallback: one non-persistent launch per step ------------------------------------------

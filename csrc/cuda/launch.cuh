@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "cuda/cluster_kernel.cuh"
 #include "cuda/kernel_core.cuh"
 
 namespace sprnn::cuda {
@@ -39,6 +40,28 @@ KernelFn persistent_kernel(int dtype, int bt, bool wide) {
   }
 }
 
+// Batch tiles of the cluster variant (cluster_kernel.cuh: a unit's columns lie in one warp).
+template <Cell C, DType D>
+KernelFn cluster_kernel(int bt) {
+  switch (bt) {
+    case 1: return &cluster_fwd<C, D, 1>;
+    case 2: return &cluster_fwd<C, D, 2>;
+    case 4: return &cluster_fwd<C, D, 4>;
+    case 8: return &cluster_fwd<C, D, 8>;
+    case 16: return &cluster_fwd<C, D, 16>;
+    default: return nullptr;
+  }
+}
+
+template <Cell C>
+KernelFn cluster_kernel(int dtype, int bt) {
+  switch (dtype) {
+    case 0: return cluster_kernel<C, DType::kF32>(bt);
+    case 1: return cluster_kernel<C, DType::kBF16>(bt);
+    default: return cluster_kernel<C, DType::kF16>(bt);
+  }
+}
+
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream) {
   const long long n = static_cast<long long>(p.B) * p.H;
@@ -69,6 +92,7 @@ cudaError_t run_steps(int dtype, const Params& p, float* hbuf, float* cbuf, cuda
 // Per-cell entry points (one translation unit each).
 #define SPRNN_CELL_ENTRY(name)                                                            \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide);                          \
+  KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
                                cudaStream_t s);
 SPRNN_CELL_ENTRY(rnn)

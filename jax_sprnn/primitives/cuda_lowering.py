@@ -7,7 +7,7 @@ the fallback when a layer does not fit on chip. ``forward_lowering`` is register
 Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured effect):
 
 ====  =====================================================================================
- -1   default: the fastest, currently 3
+ -1   default: the fastest, 3
   0   (a) naive sparse persistent: h in shared memory batch-major, one scalar load per batch
       value, grid-wide barrier between steps
   1   (b) + wide loads: the batch tile of a hidden unit is contiguous, one vector load
@@ -15,6 +15,13 @@ Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured 
       with ``bank_period > 0`` (the default of ``SparseWeights.from_dense``)
   3   (d) + Lamport exchange: value + step tag in one word, readers spin, no grid barrier
   4   fallback: one non-persistent sparse kernel launch per step (always works)
+  5   Hopper clusters (sm_90+, opt-in, csrc/cuda/cluster_kernel.cuh): one thread block
+      cluster of up to 16 CTAs per batch tile (1-16 sequences) holds all nonzeros in its
+      shared memory; h_t goes into every CTA's shared memory by st.async, each store
+      counted on the receiver's mbarrier. No grid-wide exchange, no co-residency needed
+      beyond the cluster. Correct, but measured 1.05-4x slower than 3 on the H200 (16 SMs
+      instead of 132 do the rows), so the default never picks it. Falls back to 3 (with a
+      warning) when the layer does not fit one cluster
 ====  =====================================================================================
 
 The kernel itself falls back to variant 4 when the layer's hidden state tile cannot be held in
@@ -27,7 +34,10 @@ the batch unless its h tile does not fit in shared memory or its weights would n
 threads. Run-time knobs read by the handler at each
 call (benchmarks): ``SPRNN_CUDA_BT``, ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS``,
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
-``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``.
+``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
+``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
+``SPRNN_CUDA_ROW_LANES`` (variant 5: lanes per row, default from the row length).
+``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from jax import core as jcore
 
 from jax_sprnn import _ffi
 
-VARIANTS = {"default": -1, "naive": 0, "wide": 1, "bank_aware": 2, "lamport": 3, "step_loop": 4}
+VARIANTS = {"default": -1, "naive": 0, "wide": 1, "bank_aware": 2, "lamport": 3, "step_loop": 4,
+            "cluster": 5}
 _DTYPE_CODES = {np.dtype("float32"): 0, np.dtype(jax.numpy.bfloat16): 1, np.dtype("float16"): 2}
 _GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 _warned: set = set()
@@ -56,14 +67,18 @@ def available(cell: str) -> bool:
 
 
 def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
-         sms: int = 0, smem_optin: int = 0) -> dict:
-    """The kernel's placement plan for a layer on the current GPU (or a hypothetical one).
+         sms: int = 0, smem_optin: int = 0, cc_major: int = 0, max_cluster: int = 0) -> dict:
+    """The kernel's placement plan for a layer on the current GPU (or a hypothetical one:
+    ``sms`` > 0 with ``smem_optin``, ``cc_major`` and ``max_cluster``, 0 = 16 on cc >= 9).
 
-    Keys include ``persistent`` (False: per-step fallback), ``on_chip``, ``batch_tile``,
-    ``blocks``, ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``.
+    Keys include ``persistent`` (False: per-step fallback), ``variant``, ``cluster`` (CTAs per
+    cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``blocks``,
+    ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
+    device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
     return _ffi.cuda_module.plan(_GATES[cell], _DTYPE_CODES[np.dtype(dtype)], int(hidden),
-                                 int(batch), int(nnz), int(variant), int(sms), int(smem_optin))
+                                 int(batch), int(nnz), int(variant), int(sms), int(smem_optin),
+                                 int(cc_major), int(max_cluster))
 
 
 def _warn_once(key, message):
@@ -86,7 +101,7 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     if variant == -1:  # benchmarks select a variant for the public API through the environment
         variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "-1"))
     try:
-        info = _ffi.cuda_module.plan(gates, dtype_code, hidden, batch, nnz, variant, 0, 0)
+        info = _ffi.cuda_module.plan(gates, dtype_code, hidden, batch, nnz, variant, 0, 0, 0, 0)
     except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
         info = None
     if info is not None and info["reason"] and variant != VARIANTS["step_loop"]:
