@@ -1,20 +1,38 @@
-"""Summarises an ncu SASS source page (--page source --csv --print-source sass): stall
-reasons in total and the N instructions with the most warp-stall samples.
+"""Summarises an ncu SASS source page: the stall reasons in total, then the N instructions with
+the most warp-stall samples (with their two largest reasons and execution counts).
 
+    ncu -i report.ncu-rep --page source --csv --print-source sass > sass.csv
     python benchmarks/ncu_sass_top.py sass.csv [N]
+
+The CSV's first line names the kernel, the second holds the column names.
 """
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-hdr = rows[1]; data = rows[2:]
-iS = hdr.index("Warp Stall Sampling (All Samples)"); iE = hdr.index("Instructions Executed")
-stalls = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
-tot = sum(int(r[iS] or 0) for r in data)
-print("total samples", tot)
-agg = {hdr[i]: sum(int(r[i] or 0) for r in data) for i in stalls}
-print(sorted(agg.items(), key=lambda x: -x[1])[:8])
-n = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-top = sorted(range(len(data)), key=lambda k: -int(data[k][iS] or 0))[:n]
-for k in sorted(top):
-    r = data[k]
-    st = sorted(((int(r[i] or 0), hdr[i][6:]) for i in stalls), reverse=True)[:2]
-    print(f"{k:5d} {int(r[iS]):6d} ex={r[iE]:>7} {r[1].strip()[:60]:60s} {st}")
+
+import csv
+import sys
+
+
+def main(path: str, top: int = 40) -> None:
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))
+    header, data = rows[1], rows[2:]
+    samples = header.index("Warp Stall Sampling (All Samples)")
+    executed = header.index("Instructions Executed")
+    stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+
+    def count(row, i):
+        return int(row[i] or 0)
+
+    print("total samples", sum(count(r, samples) for r in data))
+    totals = {header[i]: sum(count(r, i) for r in data) for i in stalls}
+    print(sorted(totals.items(), key=lambda kv: -kv[1])[:8])
+    hottest = sorted(range(len(data)), key=lambda k: -count(data[k], samples))[:top]
+    for k in sorted(hottest):  # in program order
+        row = data[k]
+        reasons = sorted(((count(row, i), header[i][len("stall_"):]) for i in stalls),
+                         reverse=True)[:2]
+        print(f"{k:5d} {count(row, samples):6d} ex={row[executed]:>7} "
+              f"{row[1].strip()[:60]:60s} {reasons}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40)

@@ -107,6 +107,14 @@ long long workspace_bytes(int gates, int dtype, long long H, long long B) {
   return kHeaderBytes + counters_bytes(B) + std::max(xbuf, step);
 }
 
+// Why no persistent plan can take this layer shape (nullptr: none).
+const char* shape_limit(int dtype, long long H, long long B) {
+  if (dtype != 0 && H > 65535)
+    return "16-bit layers with H > 65535 do not fit the packed 16-bit column index";
+  if (B < 1 || H < 1) return "empty batch";
+  return nullptr;
+}
+
 // The grid-wide plan (variants 0-4: persistent_fwd or the per-step fallback).
 Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
                     const DeviceInfo& dev) {
@@ -123,12 +131,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     pl.reason = "the GPU does not support cooperative launches";
     return pl;
   }
-  if (dtype != 0 && H > 65535) {
-    pl.reason = "16-bit layers with H > 65535 do not fit the packed 16-bit column index";
-    return pl;
-  }
-  if (B < 1 || H < 1) {
-    pl.reason = "empty batch";
+  if (const char* why = shape_limit(dtype, H, B)) {
+    pl.reason = why;
     return pl;
   }
   pl.nb = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_BLOCKS", dev.sms), 1, dev.sms));
@@ -228,12 +232,8 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
     pl.reason = "thread block clusters need compute capability 9.0+";
     return pl;
   }
-  if (dtype != 0 && H > 65535) {
-    pl.reason = "16-bit layers with H > 65535 do not fit the packed 16-bit column index";
-    return pl;
-  }
-  if (B < 1 || H < 1) {
-    pl.reason = "empty batch";
+  if (const char* why = shape_limit(dtype, H, B)) {
+    pl.reason = why;
     return pl;
   }
   pl.cluster = csize;
