@@ -103,6 +103,19 @@ def method_kernel(cell, act, w, xp, carry, variant=None):
     return f, c0
 
 
+def kernel_call(cell, act, H, B, T, density, dtype, variant=None):
+    """The chained kernel call on a fresh problem (for the knob sweeps): (f, xp, c0)."""
+    kernel, mask, xp, h0 = problem(cell, H, B, T, density, dtype)
+    carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
+    f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry,
+                          variant)
+    return f, xp, c0
+
+
+def config_name(cell, H, density, dtype):
+    return f"{'ReLU' if cell == 'rnn' else 'LSTM'} H={H} d={density:.0%} {jnp.dtype(dtype).name}"
+
+
 def method_scan(cell, act, kernel, xp, carry, unroll=1):
     step = dense_step(cell, act)
 
@@ -248,10 +261,7 @@ def main():
                  {"SPRNN_CUDA_BT": "4"}]
         for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("rnn", "relu", 5760, 0.1),
                                 ("lstm", None, 4096, 0.1)]:
-            kernel, mask, xp, h0 = problem(cell, H, 4, T, d, jnp.float16)
-            carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
-            w = sp.SparseWeights.from_dense(kernel, mask)
-            f, c0 = method_kernel(cell, act, w, xp, carry)
+            f, xp, c0 = kernel_call(cell, act, H, 4, T, d, jnp.float16)
             row = dict(cell=cell, H=H, density=d)
             time_knobs(f, xp, c0, knobs, row, T)
             print(json.dumps(row), flush=True)
@@ -264,18 +274,14 @@ def main():
                  {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_ROW_LANES": "32"},
                  {"SPRNN_CUDA_THREADS": "512"}, {"SPRNN_CUDA_THREADS": "256"},
                  {"SPRNN_CUDA_CLUSTER": "8"}]
-        os.environ["SPRNN_CUDA_VARIANT"] = "5"
         for cell, act, H in [("rnn", "relu", 1152), ("lstm", None, 1024)]:
-            kernel, mask, xp, h0 = problem(cell, H, 4, T, 0.1, jnp.float16)
-            carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
-            f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry)
+            f, xp, c0 = kernel_call(cell, act, H, 4, T, 0.1, jnp.float16, variant=5)
             row = dict(cell=cell, H=H, density=0.1, variant=5)
             time_knobs(f, xp, c0, knobs, row, T)
             print(json.dumps(row), flush=True)
             res.setdefault("cluster_knobs", []).append(row)
             lines.append("- " + json.dumps(row))
             save()
-        os.environ.pop("SPRNN_CUDA_VARIANT")
     if args.targets:
         lines += ["## Targets (B=4)", "",
                   "| config | ours | target | JAX scan | scan unroll 8 | scan unroll 32 | cuDNN LSTM |"
@@ -284,8 +290,7 @@ def main():
             r = bench_config(cell, act, H, 4, T, d, dt)
             r["target"] = tgt
             res["targets"].append(r)
-            name = f"{'ReLU' if cell == 'rnn' else 'LSTM'} H={H} d={d:.0%} {jnp.dtype(dt).name}"
-            lines.append(f"| {name} | {fmt(r['sparse_persistent'])} | {fmt(tgt)} | "
+            lines.append(f"| {config_name(cell, H, d, dt)} | {fmt(r['sparse_persistent'])} | {fmt(tgt)} | "
                          f"{fmt(r['jax_scan'])} | {fmt(r['jax_scan_unroll8'])} | "
                          f"{fmt(r['jax_scan_unroll32'])} | {fmt(r.get('cudnn_lstm'))} | "
                          f"{fmt(r['best_peer'])} | {r['best_peer'] / r['sparse_persistent']:.2f}x |")
@@ -316,11 +321,10 @@ def main():
             r.update(target=tgt, knob=kn, plan5={k: pl[k] for k in (
                 "variant", "cluster", "batch_tile", "tiles", "blocks", "threads", "reason")})
             res["cluster"].append(r)
-            name = f"{'ReLU' if cell == 'rnn' else 'LSTM'} H={H} d={d:.0%} {jnp.dtype(dt).name}"
             how = (f"{pl['cluster']} CTAs x {pl['tiles']} tiles of {pl['batch_tile']}, "
-                   f"{pl['threads']} thr" if pl["cluster"] else "fell back to 3")
+                   f"{pl['threads']} thr")
             knob = json.dumps(kn) if kn else ""
-            lines.append(f"| {name} | {B} | {knob} | {r['variant_3']:.2f} | "
+            lines.append(f"| {config_name(cell, H, d, dt)} | {B} | {knob} | {r['variant_3']:.2f} | "
                          f"{r['variant_5']:.2f} | {r['variant_3'] / r['variant_5']:.2f}x | "
                          f"{fmt(tgt)} | {how} |")
             save()
@@ -351,9 +355,7 @@ def main():
             save()
         # B=64 (one tile of 64): blocks (L2 reads of h per step scale with them), the
         # needed-column filter and the tile, all read by the handler at each call.
-        kernel, mask, xp, h0 = problem("rnn", 1152, 64, T, 0.1, jnp.float16)
-        w = sp.SparseWeights.from_dense(kernel, mask)
-        f, c0 = method_kernel("rnn", "relu", w, xp, (h0,))
+        f, xp, c0 = kernel_call("rnn", "relu", 1152, 64, T, 0.1, jnp.float16)
         row = dict(cell="rnn", H=1152, B=64, density=0.1, sweep="b64_knobs")
         knobs = [{}, {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BLOCKS": "33"},
                  {"SPRNN_CUDA_COL_FILTER": "0"}, {"SPRNN_CUDA_BLOCKS": "66", "SPRNN_CUDA_COL_FILTER": "0"},

@@ -229,7 +229,8 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
   pl.variant = kCluster;
   pl.lamport = false;
   if (dev.cc_major < 9 || csize < 1) {
-    pl.reason = "thread block clusters need compute capability 9.0+";
+    pl.reason = dev.cc_major < 9 ? "thread block clusters need compute capability 9.0+"
+                                 : "no cluster size can be launched with this layer's blocks";
     return pl;
   }
   if (const char* why = shape_limit(dtype, H, B)) {
@@ -382,6 +383,16 @@ ClusterFit cluster_fit(KernelFn fn, const cudaLaunchConfig_t& cfg, int cluster) 
   return r;
 }
 
+// The kernel arguments that come from the plan (the persistent and cluster kernels read them).
+Params with_plan(Params p, const Plan& pl) {
+  p.ntiles = pl.ntiles;
+  p.lamport = pl.lamport ? 1 : 0;
+  p.alpha = pl.alpha;
+  p.u_cap = pl.u_cap;
+  p.w_cap = static_cast<int>(pl.w_cap);
+  return p;
+}
+
 // Launches the plan's cluster kernel. launched = false (with cudaSuccess) when this
 // configuration cannot run here; max_ok is then the largest cluster size worth re-planning for.
 cudaError_t launch_cluster(Cell cell, int dtype, const Plan& pl, const Params& p,
@@ -406,13 +417,7 @@ cudaError_t launch_cluster(Cell cell, int dtype, const Plan& pl, const Params& p
   const ClusterFit fit = cluster_fit(fn, cfg, pl.cluster);
   max_ok = fit.max_ok;
   if (!fit.ok) return cudaSuccess;
-  Params q = p;
-  q.ntiles = pl.ntiles;
-  q.lamport = 0;
-  q.alpha = pl.alpha;
-  q.u_cap = pl.u_cap;
-  q.w_cap = static_cast<int>(pl.w_cap);
-  if (cudaError_t e = cudaLaunchKernelEx(&cfg, fn, q); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, fn, with_plan(p, pl)); e != cudaSuccess) return e;
   launched = true;
   return cudaSuccess;
 }
@@ -554,11 +559,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(fn),
                                                         pl.threads, static_cast<size_t>(pl.smem));
     if (e == cudaSuccess && occ >= 1) {
-      p.ntiles = pl.ntiles;
-      p.lamport = pl.lamport ? 1 : 0;
-      p.alpha = pl.alpha;
-      p.u_cap = pl.u_cap;
-      p.w_cap = static_cast<int>(pl.w_cap);
+      p = with_plan(p, pl);
       void* args[] = {&p};
       e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(pl.nb),
                                       dim3(pl.threads), args, static_cast<size_t>(pl.smem),

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/cluster_kernel.cuh"
 #include "cuda/kernel_core.cuh"
@@ -11,6 +12,17 @@
 namespace sprnn::cuda {
 
 using KernelFn = void (*)(Params);
+
+// Calls f(std::integral_constant<DType, D>{}) for the storage type code (0 float32, 1 bfloat16,
+// 2 float16): one switch for every per-dtype kernel table below.
+template <class F>
+auto by_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case 0: return f(std::integral_constant<DType, DType::kF32>{});
+    case 1: return f(std::integral_constant<DType, DType::kBF16>{});
+    default: return f(std::integral_constant<DType, DType::kF16>{});
+  }
+}
 
 // Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 to 64
 // (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
@@ -31,15 +43,6 @@ KernelFn persistent_kernel(int bt, bool wide) {
   }
 }
 
-template <Cell C>
-KernelFn persistent_kernel(int dtype, int bt, bool wide) {
-  switch (dtype) {
-    case 0: return persistent_kernel<C, DType::kF32>(bt, wide);
-    case 1: return persistent_kernel<C, DType::kBF16>(bt, wide);
-    default: return persistent_kernel<C, DType::kF16>(bt, wide);
-  }
-}
-
 // Batch tiles of the cluster variant (cluster_kernel.cuh: a unit's columns lie in one warp).
 template <Cell C, DType D>
 KernelFn cluster_kernel(int bt) {
@@ -50,15 +53,6 @@ KernelFn cluster_kernel(int bt) {
     case 8: return &cluster_fwd<C, D, 8>;
     case 16: return &cluster_fwd<C, D, 16>;
     default: return nullptr;
-  }
-}
-
-template <Cell C>
-KernelFn cluster_kernel(int dtype, int bt) {
-  switch (dtype) {
-    case 0: return cluster_kernel<C, DType::kF32>(bt);
-    case 1: return cluster_kernel<C, DType::kBF16>(bt);
-    default: return cluster_kernel<C, DType::kF16>(bt);
   }
 }
 
@@ -79,17 +73,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
   return cudaGetLastError();
 }
 
-template <Cell C>
-cudaError_t run_steps(int dtype, const Params& p, float* hbuf, float* cbuf, cudaStream_t s) {
-  switch (dtype) {
-    case 0: return run_steps<C, DType::kF32>(p, hbuf, cbuf, s);
-    case 1: return run_steps<C, DType::kBF16>(p, hbuf, cbuf, s);
-    default: return run_steps<C, DType::kF16>(p, hbuf, cbuf, s);
-  }
-}
-
-
-// Per-cell entry points (one translation unit each).
+// Per-cell entry points (one translation unit each: SPRNN_DEFINE_CELL_ENTRY there).
 #define SPRNN_CELL_ENTRY(name)                                                            \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide);                          \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
@@ -99,5 +83,20 @@ SPRNN_CELL_ENTRY(rnn)
 SPRNN_CELL_ENTRY(lstm)
 SPRNN_CELL_ENTRY(gru)
 #undef SPRNN_CELL_ENTRY
+
+// The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
+#define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide) {                        \
+    return by_dtype(dtype,                                                               \
+                    [&](auto d) { return persistent_kernel<C, decltype(d)::value>(bt, wide); }); \
+  }                                                                                      \
+  KernelFn pick_cluster_##name(int dtype, int bt) {                                      \
+    return by_dtype(dtype, [&](auto d) { return cluster_kernel<C, decltype(d)::value>(bt); }); \
+  }                                                                                      \
+  cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,      \
+                               cudaStream_t s) {                                         \
+    return by_dtype(dtype,                                                               \
+                    [&](auto d) { return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s); }); \
+  }
 
 }  // namespace sprnn::cuda
