@@ -5,6 +5,8 @@
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
+# probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
+#   a step for the configurations in PROBE_CONFIGS (see the file's header).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
 #   variant 3 vs 5 on the targets (bench_gpu.py --cluster). Fits one 8-minute call.
 set -uo pipefail
@@ -21,6 +23,12 @@ PY=python3
   echo "date: $(date -Iseconds)"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   echo "commit: $SPRNN_COMMIT"
 } | tee "$OUT/env.txt"
+
+if [ "$MODE" = probe ]; then
+  nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o /tmp/step_probe \
+    && timeout "${PROBE_TIMEOUT:-300}" /tmp/step_probe ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0 rnn:1152:0.1:512:132:1 rnn:1152:0.1:512:132:2} 2>&1 | tee "$OUT/probe.txt"
+  exit $?
+fi
 
 t0=$(date +%s)
 $PY -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1

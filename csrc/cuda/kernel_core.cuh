@@ -415,6 +415,30 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
   return false;
 }
 
+// ---- step probe (benchmarks/step_probe.cu only) ------------------------------------------------
+// With SPRNN_STEP_PROBE defined, thread 0 of every block stamps clock64 and %globaltimer at the
+// phase boundaries of each step (g_probe_trace[(s * nb + block) * 8 + k]: k = 0..3 clocks,
+// 4..7 timers), and g_probe_mode can switch parts off: 1 = skip the rows (exchange only), 2 =
+// do not wait for the tags (no synchronization: the local work's floor). Not built otherwise.
+#if defined(SPRNN_STEP_PROBE)
+__device__ unsigned long long* g_probe_trace;
+__device__ int g_probe_mode;
+#define SPRNN_PROBE_STAMP(s, k)                                                        \
+  do {                                                                                 \
+    if (threadIdx.x == 0 && g_probe_trace != nullptr) {                                \
+      unsigned long long* q = g_probe_trace + (static_cast<long long>(s) * gridDim.x + blockIdx.x) * 8; \
+      q[k] = clock64();                                                                \
+      q[4 + (k)] = global_ns();                                                        \
+    }                                                                                  \
+  } while (0)
+#define SPRNN_PROBE_MODE g_probe_mode
+#else
+#define SPRNN_PROBE_STAMP(s, k) \
+  do {                          \
+  } while (0)
+#define SPRNN_PROBE_MODE 0
+#endif
+
 // ---- per-step pieces shared by persistent_fwd and cluster_fwd (cluster_kernel.cuh) -------------
 
 // Length of sequence b clamped to [0, T]; 0 for padding columns (b >= B).
@@ -761,6 +785,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
       }
 
       // 1. h_{s-1} of this tile into shared memory.
+      SPRNN_PROBE_STAMP(s, 0);
       bool aborted = false;
       if (s == 0) {
         for (int it = tid; it < H * kRPU; it += nthr) {
@@ -840,6 +865,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
                 bool ok = true;
 #pragma unroll
                 for (int q = 0; q < kCW; ++q) ok = ok && T::x_ok(w[i][q], tag);
+                if (SPRNN_PROBE_MODE == 2) ok = true;
                 if (ok) {
                   uint32_t bits[kCW];
 #pragma unroll
@@ -857,10 +883,12 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
         }
       }
       if (__syncthreads_or(aborted)) return;
+      SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).
-      compute_rows<kCell, D, BT, kWide>(p, w_s, kb0, n_in, h_s, u0, nu, acc_s);
+      if (SPRNN_PROBE_MODE != 1) compute_rows<kCell, D, BT, kWide>(p, w_s, kb0, n_in, h_s, u0, nu, acc_s);
       __syncthreads();
+      SPRNN_PROBE_STAMP(s, 2);
 
       // 3. Cell update and publish.
       for (int pi = tid; pi < npairs; pi += nthr) {
@@ -880,6 +908,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
           }
         }
       }
+      SPRNN_PROBE_STAMP(s, 3);
       if (!p.lamport) {
         __syncthreads();
         if (tid == 0) {

@@ -1,0 +1,214 @@
+// Step probe: times the persistent kernel (csrc/cuda/kernel_core.cuh) without JAX and splits a
+// step into its phases, to find where the time goes. Standalone on purpose: no XLA, no Python,
+// one process per GPU call. Built with SPRNN_STEP_PROBE, which turns on the kernel's phase
+// stamps (thread 0 of every block: clock64 + %globaltimer at gather start, gather done, rows
+// done, update done) and the probe modes (1 = skip the rows, 2 = do not wait for the tags).
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
+//   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
+// Each argument: cell:H:density:threads:blocks:mode, with B = 4 (one tile), T = 256, fp16.
+// Prints the median us/step (kernel only, cudaEvent, 15 runs) and the phase medians.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/kernel_core.cuh"
+
+using namespace sprnn;
+using namespace sprnn::cuda;
+
+#define CHECK(x)                                                                         \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+constexpr int kBT = 4, kB = 4, kT = 256;
+
+struct Config {
+  std::string cell;
+  int H = 1152, threads = 512, blocks = 132, mode = 0;
+  double density = 0.1;
+};
+
+Config parse(const char* s) {
+  Config c;
+  char cell[16];
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d", cell, &c.H, &c.density, &c.threads, &c.blocks,
+                  &c.mode) != 6) {
+    std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
+    std::exit(2);
+  }
+  c.cell = cell;
+  return c;
+}
+
+template <class V>
+double pct(V v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return static_cast<double>(v[static_cast<size_t>(q * (v.size() - 1))]);
+}
+
+template <Cell kCell>
+void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
+  constexpr int G = gates_of(kCell);
+  using S = uint16_t;
+  const int H = c.H, nb = std::min(c.blocks, sms);
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::bernoulli_distribution keep(c.density);
+  std::vector<int32_t> row_ptr(1, 0), col_idx;
+  std::vector<S> vals;
+  auto h16 = [](float f) {  // float -> fp16 bits on the host, via the CUDA header's converter
+    return static_cast<S>(__half_as_ushort(__float2half(f)));
+  };
+  const float scale = 1.0f / std::sqrt(std::max(1.0, c.density * H));
+  for (int r = 0; r < G * H; ++r) {
+    for (int col = 0; col < H; ++col)
+      if (keep(rng)) {
+        col_idx.push_back(col);
+        vals.push_back(h16(uni(rng) * scale));
+      }
+    row_ptr.push_back(static_cast<int32_t>(col_idx.size()));
+  }
+  const long long nnz = static_cast<long long>(col_idx.size());
+  std::vector<S> x(static_cast<size_t>(kT) * kB * G * H), h0(static_cast<size_t>(kB) * H);
+  for (auto& v : x) v = h16(uni(rng));
+  for (auto& v : h0) v = h16(uni(rng));
+  std::vector<int32_t> lengths(kB, kT);
+
+  // The plan, as handlers.cu make_grid_plan computes it for one tile.
+  Params p{};
+  p.T = kT; p.B = kB; p.H = H; p.ntiles = 1; p.activation = 1; p.reverse = 0; p.lamport = 1;
+  p.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
+  const long long total = nnz + static_cast<long long>(p.alpha) * H;
+  p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
+  const long long avail = smem_optin - 256;
+  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4);
+  p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / 4, 1LL << 30));
+  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
+  p.timeout_ns = 5000000000LL;
+
+  auto upload = [](const auto& v) {
+    void* d = nullptr;
+    CHECK(cudaMalloc(&d, std::max<size_t>(1, v.size() * sizeof(v[0]))));
+    CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
+    return d;
+  };
+  auto zeros = [](size_t bytes) {
+    void* d = nullptr;
+    CHECK(cudaMalloc(&d, bytes));
+    CHECK(cudaMemset(d, 0, bytes));
+    return d;
+  };
+  p.xp = upload(x);
+  p.lengths = static_cast<int32_t*>(upload(lengths));
+  p.values = upload(vals);
+  p.col_idx = static_cast<int32_t*>(upload(col_idx));
+  p.row_ptr = static_cast<int32_t*>(upload(row_ptr));
+  p.h0 = upload(h0);
+  p.c0 = upload(h0);
+  p.b_hn = upload(std::vector<S>(H, 0));
+  const size_t out_bytes = static_cast<size_t>(kT) * kB * H * sizeof(S);
+  p.ys = zeros(out_bytes);
+  p.cs = zeros(out_bytes);
+  p.hT = zeros(kB * H * sizeof(S));
+  p.cT = zeros(kB * H * sizeof(S));
+  const size_t ws_bytes = 256 + 256 + 2ull * H * kBT * 4;
+  unsigned char* ws = static_cast<unsigned char*>(zeros(ws_bytes));
+  p.abort_flag = reinterpret_cast<int*>(ws);
+  p.counters = reinterpret_cast<unsigned int*>(ws + 256);
+  p.xbuf = ws + 512;
+
+  auto fn = &persistent_fwd<kCell, DType::kF16, kBT, true>;
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  unsigned long long* trace = static_cast<unsigned long long*>(zeros(static_cast<size_t>(kT) * nb * 8 * 8));
+  CHECK(cudaMemcpyToSymbol(g_probe_mode, &c.mode, sizeof(int)));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 18; ++rep) {
+    unsigned long long* tp = rep == 17 ? trace : nullptr;  // the last run is traced
+    CHECK(cudaMemcpyToSymbol(g_probe_trace, &tp, sizeof(tp)));
+    CHECK(cudaMemset(ws, 0, ws_bytes));
+    void* args[] = {&p};
+    CHECK(cudaEventRecord(e0));
+    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(nb), dim3(c.threads),
+                                      args, static_cast<size_t>(smem), nullptr));
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    int flag = 0;
+    CHECK(cudaMemcpy(&flag, ws, sizeof(int), cudaMemcpyDeviceToHost));
+    if (flag != 0) {
+      std::printf("%s: kernel aborted (flag %d)\n", c.cell.c_str(), flag);
+      return;
+    }
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep >= 2 && rep < 17) ms.push_back(t);
+  }
+  const double us_step = pct(ms, 0.5) * 1000.0 / kT;
+
+  std::vector<unsigned long long> tr(static_cast<size_t>(kT) * nb * 8);
+  CHECK(cudaMemcpy(tr.data(), trace, tr.size() * 8, cudaMemcpyDeviceToHost));
+  auto at = [&](int s, int b, int k) { return tr[(static_cast<size_t>(s) * nb + b) * 8 + k]; };
+  std::vector<double> gather, rows, update, period, spread1, lag, wait_last;
+  for (int s = 2; s + 1 < kT; ++s) {
+    unsigned long long t3max = 0, t1min = ~0ull, t1max = 0;
+    for (int b = 0; b < nb; ++b) {
+      gather.push_back((at(s, b, 1) - at(s, b, 0)) / clock_ghz / 1000.0);
+      rows.push_back((at(s, b, 2) - at(s, b, 1)) / clock_ghz / 1000.0);
+      update.push_back((at(s, b, 3) - at(s, b, 2)) / clock_ghz / 1000.0);
+      period.push_back((at(s + 1, b, 0) - at(s, b, 0)) / clock_ghz / 1000.0);
+      t3max = std::max(t3max, at(s, b, 7));
+      t1min = std::min(t1min, at(s + 1, b, 5));
+      t1max = std::max(t1max, at(s + 1, b, 5));
+    }
+    spread1.push_back((t1max - t1min) / 1000.0);
+    lag.push_back((static_cast<double>(t1min) - static_cast<double>(t3max)) / 1000.0);
+    wait_last.push_back((static_cast<double>(t1max) - static_cast<double>(t3max)) / 1000.0);
+  }
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d nnz=%lld smem=%lld | %.3f us/step | "
+              "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
+              "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f\n",
+              c.cell.c_str(), H, c.density, c.threads, nb, c.mode, nnz, smem, us_step,
+              pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
+              pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
+              pct(spread1, 0.5));
+  std::fflush(stdout);
+  for (void* d : {const_cast<void*>(p.xp), const_cast<void*>(static_cast<const void*>(p.lengths)),
+                  const_cast<void*>(p.values), const_cast<void*>(static_cast<const void*>(p.col_idx)),
+                  const_cast<void*>(static_cast<const void*>(p.row_ptr)), const_cast<void*>(p.h0),
+                  const_cast<void*>(p.c0), const_cast<void*>(p.b_hn), p.ys, p.cs, p.hT, p.cT,
+                  static_cast<void*>(ws), static_cast<void*>(trace)})
+    CHECK(cudaFree(d));
+}
+
+int main(int argc, char** argv) {
+  int dev = 0, sms = 0, smem_optin = 0, clock_khz = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev));
+  const double ghz = clock_khz / 1e6;
+  std::printf("SMs %d, smem/block %d, clock %.3f GHz (phases converted from clock64 at this rate)\n",
+              sms, smem_optin, ghz);
+  for (int i = 1; i < argc; ++i) {
+    const Config c = parse(argv[i]);
+    if (c.cell == "lstm") run<Cell::kLstm>(c, ghz, sms, smem_optin);
+    else run<Cell::kRnnTanh>(c, ghz, sms, smem_optin);
+  }
+  return 0;
+}
