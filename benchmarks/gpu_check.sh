@@ -25,9 +25,15 @@ PY=python3
 } | tee "$OUT/env.txt"
 
 if [ "$MODE" = probe ]; then
-  nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o /tmp/step_probe \
-    && timeout "${PROBE_TIMEOUT:-300}" /tmp/step_probe ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0 rnn:1152:0.1:512:132:1 rnn:1152:0.1:512:132:2} 2>&1 | tee "$OUT/probe.txt"
-  exit $?
+  # PROBE_BUILDS: space-separated name=flags (flags joined by commas), one probe binary each.
+  for build in ${PROBE_BUILDS:-base=}; do
+    name="${build%%=*}"; flags="${build#*=}"
+    echo "== build $name: ${flags//,/ }" | tee -a "$OUT/probe.txt"
+    nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
+      -o "/tmp/step_probe_$name" || exit 1
+    timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
+  done
+  exit 0
 fi
 
 t0=$(date +%s)

@@ -6,8 +6,10 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode, with B = 4 (one tile), T = 256, fp16.
-// Prints the median us/step (kernel only, cudaEvent, 15 runs) and the phase medians.
+// Each argument: cell:H:density:threads:blocks:mode[:fuse], with B = 4 (one tile), T = 256,
+// fp16, fuse = Params::fuse_update (default 1). Prints the median us/step (kernel only,
+// cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
+// float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -37,15 +39,15 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 
 struct Config {
   std::string cell;
-  int H = 1152, threads = 512, blocks = 132, mode = 0;
+  int H = 1152, threads = 512, blocks = 132, mode = 0, fuse = 1;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d", cell, &c.H, &c.density, &c.threads, &c.blocks,
-                  &c.mode) != 6) {
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads, &c.blocks,
+                  &c.mode, &c.fuse) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -65,6 +67,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   constexpr int G = gates_of(kCell);
   using S = uint16_t;
   const int H = c.H, nb = std::min(c.blocks, sms);
+  const int threads = std::min(c.threads, kPersistentThreads);
   std::mt19937 rng(1234);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   std::bernoulli_distribution keep(c.density);
@@ -95,10 +98,12 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   const long long total = nnz + static_cast<long long>(p.alpha) * H;
   p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
   const long long avail = smem_optin - 256;
-  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4);
+  const int row_words = p.u_cap * G + 1;
+  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4, 1, row_words);
   p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / 4, 1LL << 30));
-  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
+  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4, 1, row_words).total;
   p.timeout_ns = 5000000000LL;
+  p.fuse_update = c.fuse;
 
   auto upload = [](const auto& v) {
     void* d = nullptr;
@@ -145,7 +150,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     CHECK(cudaMemset(ws, 0, ws_bytes));
     void* args[] = {&p};
     CHECK(cudaEventRecord(e0));
-    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(nb), dim3(c.threads),
+    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(nb), dim3(threads),
                                       args, static_cast<size_t>(smem), nullptr));
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
@@ -180,13 +185,48 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     lag.push_back((static_cast<double>(t1min) - static_cast<double>(t3max)) / 1000.0);
     wait_last.push_back((static_cast<double>(t1max) - static_cast<double>(t3max)) / 1000.0);
   }
-  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d nnz=%lld smem=%lld | %.3f us/step | "
+  // ys of the last run against a float64 recurrence on the fp16 inputs (mode 0 only).
+  double err = -1.0, ref_max = 0.0;
+  if (c.mode == 0) {
+    std::vector<S> ys(static_cast<size_t>(kT) * kB * H);
+    CHECK(cudaMemcpy(ys.data(), p.ys, out_bytes, cudaMemcpyDeviceToHost));
+    auto f = [](S v) { return static_cast<double>(__half2float(__ushort_as_half(v))); };
+    std::vector<double> h(static_cast<size_t>(kB) * H), cst(h.size()), hn(h.size());
+    for (size_t i = 0; i < h.size(); ++i) h[i] = cst[i] = f(h0[i]);
+    err = 0.0;
+    for (int t = 0; t < kT; ++t) {
+      for (int b = 0; b < kB; ++b)
+        for (int u = 0; u < H; ++u) {
+          float pre[4];
+          for (int g = 0; g < G; ++g) {
+            const int r = u * G + g;
+            double a = f(x[(static_cast<size_t>(t) * kB + b) * G * H + static_cast<size_t>(g) * H + u]);
+            for (int k = row_ptr[r]; k < row_ptr[r + 1]; ++k) a += f(vals[k]) * h[static_cast<size_t>(b) * H + col_idx[k]];
+            pre[g] = static_cast<float>(a);
+          }
+          const size_t i = static_cast<size_t>(b) * H + u;
+          if constexpr (kCell == Cell::kLstm) {
+            float cc = static_cast<float>(cst[i]);
+            hn[i] = lstm_step(pre, cc);
+            cst[i] = cc;
+          } else {
+            hn[i] = rnn_step<Cell::kRnnRelu>(pre[0], 0.0f);
+          }
+          const double y = f(ys[static_cast<size_t>(t) * kB * H + i]);
+          err = std::max(err, std::abs(y - hn[i]));
+          ref_max = std::max(ref_max, std::abs(hn[i]));
+        }
+      h.swap(hn);
+    }
+  }
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d fuse=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
-              "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f\n",
-              c.cell.c_str(), H, c.density, c.threads, nb, c.mode, nnz, smem, us_step,
+              "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | "
+              "ys max abs err %.2e (max |ref| %.2f)%s\n",
+              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.fuse, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
-              pct(spread1, 0.5));
+              pct(spread1, 0.5), err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");
   std::fflush(stdout);
   for (void* d : {const_cast<void*>(p.xp), const_cast<void*>(static_cast<const void*>(p.lengths)),
                   const_cast<void*>(p.values), const_cast<void*>(static_cast<const void*>(p.col_idx)),

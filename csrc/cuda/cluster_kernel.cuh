@@ -262,8 +262,8 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
   const long long kb1 = __ldg(p.row_ptr + static_cast<long long>(u0 + nu) * G);
   load_weights<D>(p, kb0, kb1 - kb0, w_s);
   int* rows_s = reinterpret_cast<int*>(smem + L.r_off);  // row offsets into w_s
-  for (int i = tid; i <= nu * G; i += nthr)
-    rows_s[i] = static_cast<int>(__ldg(p.row_ptr + static_cast<long long>(u0) * G + i) - kb0);
+  int* len_s = reinterpret_cast<int*>(smem + L.len_off);  // lengths of the tile's columns
+  load_step_constants(p, b_lo, BT, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   init_state<kCell, D>(p, u0, nu, b_lo, BT, hst, cst);
   {  // h_0 of the whole tile into slot 0 (every CTA its own copy)
     float* h0s = slot(0);
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
     for (int g = 0; g < G; ++g) xr[g] = 0.0f;
     if (tid < npairs) {
       const int b = b_lo + tid % BT;
-      const int len = seq_len(p, b);
+      const int len = len_s[tid % BT];
       if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
     }
     const bool send = s + 1 < lmax;
@@ -310,8 +310,10 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
       const int ul = pi / BT, bt = pi % BT;
       float h = 0.0f;
       if (active) {
-        const float hnew = update_pair<kCell, D, BT>(p, s, ul, u0 + ul, bt, b_lo + bt, pi,
-                                                     pi == tid, xr, acc_s, hst, cst);
+        float hw[G];
+        row_sums<G, BT>(acc_s, ul, bt, hw);
+        const float hnew = update_pair<kCell, D>(p, s, u0 + ul, b_lo + bt, len_s[bt], pi,
+                                                 pi == tid, xr, hw, hst, cst);
         h = T::to_f(T::from_f(hnew));  // what the other units see: h rounded to the dtype
       }
       const int c0 = lane - bt % kV;  // first lane of this lane's chunk

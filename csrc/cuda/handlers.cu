@@ -75,7 +75,7 @@ struct Plan {
   bool wide = true;
   bool lamport = true;
   int variant = kLamport;
-  int bt = 1, ntiles = 1, nb = 0, threads = 1024;
+  int bt = 1, ntiles = 1, nb = 0, threads = kPersistentThreads;
   int alpha = 1, u_cap = 0;
   int cluster = 0;  // > 0: the cluster kernel with clusters of this many CTAs, one per tile
   long long w_cap = 0, w_need = 0, smem = 0;
@@ -136,7 +136,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     return pl;
   }
   pl.nb = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_BLOCKS", dev.sms), 1, dev.sms));
-  pl.threads = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_THREADS", 1024), 64, 1024)) / 32 * 32;
+  pl.threads = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_THREADS", kPersistentThreads), 64, kPersistentThreads)) / 32 * 32;
   pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
   const long long total = nnz + static_cast<long long>(pl.alpha) * H;
   pl.u_cap = static_cast<int>(std::min<long long>(H, (total / pl.nb + 1) / pl.alpha + 2));
@@ -172,8 +172,10 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   for (int i = 0; i < nc; ++i) {
     const int bt = cands[i];
     const int ntiles = static_cast<int>((B + bt - 1) / bt);
+    const int row_words = pl.u_cap * gates + 1;
     const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm,
-                                      pl.u_cap, 0, s_bytes_of(dtype), w_bytes_of(dtype));
+                                      pl.u_cap, 0, s_bytes_of(dtype), w_bytes_of(dtype), 1,
+                                      row_words);
     if (l0.total > avail) continue;
     Plan c = pl;
     c.bt = bt;
@@ -183,7 +185,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     any_on_chip = any_on_chip || c.on_chip;
     const SmemLayout l = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, pl.u_cap,
                                      static_cast<int>(c.w_cap), s_bytes_of(dtype),
-                                     w_bytes_of(dtype));
+                                     w_bytes_of(dtype), 1, row_words);
     c.smem = l.total;
     c.persistent = true;
     // Largest batch tile that keeps at least 3/4 of the nonzeros on chip: measured on the
@@ -204,12 +206,9 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
                 ") do not fit in one block's shared memory";
     return pl;
   }
-  // Threads: 512 for small layers (less barrier cost: 2.71 vs 3.04 us/step at ReLU H=1152),
-  // 1024 when a block has much to read or compute (6.35 vs 7.25 at H=5760).
-  if (env_int("SPRNN_CUDA_THREADS", 0) == 0)
-    best.threads = (H * best.bt <= 8192 && pl.w_need <= 8192) ? 512 : 1024;
-  // Tiles of 16 to 64 are built for 512 threads (128 registers; kernel_core.cuh).
-  best.threads = std::min(best.threads, max_threads_of_tile(best.bt));
+  // The kernel is built for kPersistentThreads (512: 128 registers, kernel_core.cuh);
+  // SPRNN_CUDA_THREADS may ask for fewer.
+  best.threads = std::min(best.threads, kPersistentThreads);
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
@@ -531,6 +530,9 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
+  // rnn with tiles up to 8 (16-bit) / 4 (float32): the warp that reduces a row applies the cell
+  // (kernel_core.cuh, kFuse); 0 = the separate update phase (benchmarks).
+  p.fuse_update = env_int("SPRNN_CUDA_FUSE", 1) != 0 ? 1 : 0;
   p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).

@@ -72,6 +72,7 @@ struct Params {
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
   int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
   int row_lanes;          // cluster kernel: lanes per row (0 = row_lanes_for)
+  int fuse_update;        // 1 = the warp that reduced a row applies the cell (rnn, narrow tiles)
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -378,9 +379,12 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
 __host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
 
 // h tile (h_slots copies, h_stride bytes apart: the cluster kernel double-buffers it) | row
-// results | h state | c state (lstm) | needed-column bitmap | nonzeros.
+// results | h state | c state (lstm) | needed-column bitmap | row offsets (row_words ints) |
+// sequence lengths (bpad ints) | nonzeros. Row offsets and lengths are read every step: from
+// shared memory they cost no L1 miss (the x and ys streams evict them from the small L1 left
+// beside 227 KB of shared memory; benchmarks/NOTES.md, step probe).
 struct SmemLayout {
-  long long h_off, h_stride, acc_off, hst_off, cst_off, m_off, r_off, w_off, total;
+  long long h_off, h_stride, acc_off, hst_off, cst_off, m_off, r_off, len_off, w_off, total;
 };
 
 __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
@@ -394,7 +398,8 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
   l.m_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
   l.r_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
-  l.w_off = l.r_off + align16(static_cast<long long>(row_words) * 4);
+  l.len_off = l.r_off + align16(static_cast<long long>(row_words) * 4);
+  l.w_off = l.len_off + align16(static_cast<long long>(bpad) * 4);
   l.total = l.w_off + align16(static_cast<long long>(w_cap) * w_bytes);
   return l;
 }
@@ -448,6 +453,16 @@ __device__ __forceinline__ int seq_len(const Params& p, int b) {
   return len < 0 ? 0 : (len > p.T ? p.T : len);
 }
 
+// The block's per-step constants into shared memory: len_s[i] = seq_len(b_lo + i) for i < n,
+// rows_s[i] = row_ptr[r0 + i] - base for i <= nrows.
+__device__ __forceinline__ void load_step_constants(const Params& p, int b_lo, int n, int* len_s,
+                                                    long long r0, int nrows, long long base,
+                                                    int* rows_s) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) len_s[i] = seq_len(p, b_lo + i);
+  for (int i = threadIdx.x; i <= nrows; i += blockDim.x)
+    rows_s[i] = static_cast<int>(__ldg(p.row_ptr + r0 + i) - base);
+}
+
 // The G input projections of (unit u, sequence b) at step s < len, as float32.
 template <DType D, int G>
 __device__ __forceinline__ void load_x_pair(const Params& p, int s, int len, int b, int u,
@@ -486,106 +501,132 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
   }
 }
 
-// Step 2, the rows: the dot products of the block's rows [u0 * G, (u0 + nu) * G) with the h
-// tile h_s, into acc_s[r * BT + b]. One warp per packed row. Slice `sl` of the warp (kLPN
-// lanes) takes the row's nonzeros k0 + sl, k0 + sl + kNS, ...; each lane accumulates its kNV
-// batch columns [b0, b0 + kNV) in float32, then the slices are summed by warp shuffles. With
-// kLPN = 1 a row's k-th nonzero goes to lane k % 32, which is what the bank-aware packing
-// order assumes. Nonzeros [kb0, kb0 + n_in) are in w_s; the rest are read from global memory.
-template <Cell kCell, DType D, int BT, bool kWide>
-__device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
-                                             long long kb0, long long n_in,
-                                             const typename Tr<D>::S* h_s, int u0, int nu,
-                                             float* acc_s) {
+// Nonzeros per lane in flight in row_dot (a macro only so that the step probe can compare).
+#ifndef SPRNN_ROW_DEPTH
+#define SPRNN_ROW_DEPTH 4
+#endif
+constexpr int kRowDepth = SPRNN_ROW_DEPTH;
+
+// The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
+// most 16 bytes of h: one vector load per nonzero), kLPN = BT / kNV lanes share a nonzero, and
+// the warp's kNS = 32 / kLPN slices stride the row's nonzeros.
+template <DType D, int BT, bool kWide>
+struct RowMap {
+  static constexpr int kS = static_cast<int>(sizeof(typename Tr<D>::S));
+  static constexpr int kNV = kWide ? (kS * BT <= 16 ? BT : 16 / kS) : BT;
+  static constexpr int kLPN = BT / kNV;
+  static constexpr int kNS = 32 / kLPN;
+};
+
+// Step 2 for one row, by a whole warp: the dot products of the row's nonzeros [k0, k1) (offsets
+// from the block's first nonzero; those below n_in are in w_s, the rest are read from global
+// memory at kb0 + k) with the h tile h_s. Slice `sl` of the warp (kLPN lanes) takes nonzeros
+// k0 + sl, k0 + sl + kNS, ...; each lane accumulates its kNV batch columns [b0, b0 + kNV) in
+// float32, then warp shuffles sum the slices: afterwards every lane holds the row's sums for
+// its columns (with kLPN = 1, all BT of them). With kLPN = 1 a row's k-th nonzero goes to lane
+// k % 32, which is what the bank-aware packing order assumes.
+template <DType D, int BT, bool kWide>
+__device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W* w_s,
+                                        long long kb0, long long n_in,
+                                        const typename Tr<D>::S* h_s, int k0, int k1,
+                                        float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
   using W = typename T::W;
-  constexpr int G = gates_of(kCell);
-  // Row mapping (see persistent_fwd): kNV batch columns per lane, kLPN lanes per nonzero.
-  constexpr int kNV = kWide ? (static_cast<int>(sizeof(S)) * BT <= 16 ? BT : 16 / static_cast<int>(sizeof(S))) : BT;
-  constexpr int kLPN = BT / kNV;
-  constexpr int kNS = 32 / kLPN;
+  using M = RowMap<D, BT, kWide>;
+  constexpr int kNV = M::kNV, kLPN = M::kLPN, kNS = M::kNS;
   const int H = p.H;
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int nwarps = blockDim.x >> 5;
-  const S* vals = static_cast<const S*>(p.values);
-  const int32_t* row_ptr = p.row_ptr;
-  const int32_t* col_idx = p.col_idx;
   const int sl = lane / kLPN;
   const int b0 = (lane % kLPN) * kNV;
-  for (int r = warp; r < nu * G; r += nwarps) {
-    const long long rg = static_cast<long long>(u0) * G + r;
-    const int k0 = __ldg(row_ptr + rg);
-    const int k1 = __ldg(row_ptr + rg + 1);
-    float acc[kNV];
 #pragma unroll
-    for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
-    if (k1 - kb0 <= n_in) {
-      const W* wr = w_s - kb0;
-      int k = k0 + sl;
-      // Four nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
-      for (; k + 3 * kNS < k1; k += 4 * kNS) {
-        W wq[4];
+  for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
+  if (k1 <= n_in) {
+    int k = k0 + sl;
+    // kRowDepth nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
+    for (; k + (kRowDepth - 1) * kNS < k1; k += kRowDepth * kNS) {
+      W wq[kRowDepth];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) wq[q] = wr[k + kNS * q];
-        float v[4], hv[4][kNV];
+      for (int q = 0; q < kRowDepth; ++q) wq[q] = w_s[k + kNS * q];
+      float v[kRowDepth], hv[kRowDepth][kNV];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          int col;
-          T::unpack_w(wq[q], v[q], col);
-          gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-          for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
-      }
-      for (; k < k1; k += kNS) {
-        float v;
+      for (int q = 0; q < kRowDepth; ++q) {
         int col;
-        T::unpack_w(wr[k], v, col);
-        float hv[kNV];
-        gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
-#pragma unroll
-        for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+        T::unpack_w(wq[q], v[q], col);
+        gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
       }
-    } else {
+#pragma unroll
+      for (int q = 0; q < kRowDepth; ++q)
+#pragma unroll
+        for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v[q], hv[q][i], acc[i]);
+    }
+    for (; k < k1; k += kNS) {
+      float v;
+      int col;
+      T::unpack_w(w_s[k], v, col);
+      float hv[kNV];
+      gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
+#pragma unroll
+      for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
+    }
+  } else {
+    const S* vals = static_cast<const S*>(p.values) + kb0;
+    const int32_t* col_idx = p.col_idx + kb0;
 #pragma unroll 4
-      for (int k = k0 + sl; k < k1; k += kNS) {
-        const float v = T::to_f(vals[k]);
-        const int col = __ldg(col_idx + k);
-        float hv[kNV];
-        gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
+    for (int k = k0 + sl; k < k1; k += kNS) {
+      const float v = T::to_f(vals[k]);
+      const int col = __ldg(col_idx + k);
+      float hv[kNV];
+      gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
 #pragma unroll
-        for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
-      }
+      for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
     }
+  }
 #pragma unroll
-    for (int off = 16; off >= kLPN; off >>= 1) {
+  for (int off = 16; off >= kLPN; off >>= 1) {
 #pragma unroll
-      for (int i = 0; i < kNV; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
-    }
-    if (lane < kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
+    for (int i = 0; i < kNV; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+  }
+}
+
+// Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
+// into acc_s[r * BT + b], one warp per row (row_dot).
+template <DType D, int BT, bool kWide>
+__device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
+                                             long long kb0, long long n_in,
+                                             const typename Tr<D>::S* h_s, const int* rows_s,
+                                             int nrows, float* acc_s) {
+  using M = RowMap<D, BT, kWide>;
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < nrows; r += blockDim.x >> 5) {
+    float acc[M::kNV];
+    row_dot<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s[r], rows_s[r + 1], acc);
+    if (lane < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
 #pragma unroll
-      for (int i = 0; i < kNV; ++i) acc_s[r * BT + b0 + i] = acc[i];
+      for (int i = 0; i < M::kNV; ++i) acc_s[r * BT + lane * M::kNV + i] = acc[i];
     }
   }
 }
 
-// Step 3 for one pair (unit u = u0 + ul, column bt of the tile = sequence b, state index si):
-// the cell from the row results acc_s and the input projection (xr when have_x, else loaded),
-// the ys/cs writes (zeros at padding positions s >= L_b) and the float32 state hst/cst[si].
-// Returns the new h (the previous one past the sequence's end).
-template <Cell kCell, DType D, int BT>
-__device__ __forceinline__ float update_pair(const Params& p, int s, int ul, int u, int bt, int b,
-                                             int si, bool have_x, const float* xr,
-                                             const float* acc_s, float* hst, float* cst) {
+// The G row results of pair (unit ul, tile column bt) from acc_s.
+template <int G, int BT>
+__device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, float* hw) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) hw[g] = acc_s[(ul * G + g) * BT + bt];
+}
+
+// Step 3 for one pair (unit u = u0 + ul, sequence b of length len, state index si): the cell
+// from the row results hw[G] and the input projection (xr when have_x, else loaded), the ys/cs
+// writes (zeros at padding positions s >= len) and the float32 state hst/cst[si]. Returns the
+// new h (the previous one past the sequence's end).
+template <Cell kCell, DType D>
+__device__ __forceinline__ float update_pair(const Params& p, int s, int u, int b, int len, int si,
+                                             bool have_x, const float* xr, const float* hw,
+                                             float* hst, float* cst) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
   const int B = p.B, H = p.H;
-  const int len = seq_len(p, b);
   const bool valid = s < len;
   float x[G];
   if (have_x) {
@@ -606,20 +647,16 @@ __device__ __forceinline__ float update_pair(const Params& p, int s, int ul, int
     if constexpr (kCell == Cell::kLstm) {
       float pre[4];
 #pragma unroll
-      for (int g = 0; g < 4; ++g) pre[g] = x[g] + acc_s[(ul * 4 + g) * BT + bt];
+      for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
       float c = cst[si];
       hnew = lstm_step(pre, c);
       cst[si] = c;
       cs[o] = T::from_f(c);
     } else if constexpr (kCell == Cell::kGru) {
-      float hw[3];
-#pragma unroll
-      for (int g = 0; g < 3; ++g) hw[g] = acc_s[(ul * 3 + g) * BT + bt];
       const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
       hnew = gru_step(x, hw, bh, hprev);
     } else {
-      const float hw = acc_s[ul * BT + bt];
-      hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw) : rnn_step<Cell::kRnnTanh>(x[0], hw);
+      hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw[0]) : rnn_step<Cell::kRnnTanh>(x[0], hw[0]);
     }
     hst[si] = hnew;
     ys[o] = T::from_f(hnew);
@@ -664,14 +701,23 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 
 // ---- the persistent kernel ----------------------------------------------------------------------
 
-// Threads per block a tile's kernel is built for (register budget: 65536 / threads). Tiles of
-// 16 to 64 run 512 threads with up to 128 registers: at 1024 threads (64 registers) their
-// gathers and rows spill. The planner never launches more.
+// Threads per block persistent_fwd is built for (register budget: 65536 / threads): 512, so
+// 128 registers. At 1024 threads (64 registers) every tile spilled (the step probe found the
+// spill loads on the cell-update path, and local memory misses the small L1 beside 227 KB of
+// shared memory). The planner never launches more. (A macro only so that the step probe can
+// build the 1024-thread kernel for comparison.)
+#ifndef SPRNN_PERSISTENT_THREADS
+#define SPRNN_PERSISTENT_THREADS 512
+#endif
+constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
+
+// Threads per CTA the cluster kernel (cluster_kernel.cuh) is built for: tiles of 16 run 512
+// threads with up to 128 registers, smaller tiles 1024.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
 template <Cell kCell, DType D, int BT, bool kWide>
-__global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Params p) {
+__global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
   using X = typename T::X;
@@ -686,17 +732,19 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
-  // Chunks in flight per thread: 128 bytes (256 with the 512-thread tiles, same bytes per block).
-  constexpr int kFlight = (max_threads_of_tile(BT) == 512 ? 64 : 32) / kXWords;
+  // Chunks in flight per thread: up to 128 bytes (more made ptxas spill).
+  constexpr int kFlight = 32 / kXWords;
   constexpr int K = kFlight < 1 ? 1 : (kFlight > 8 ? 8 : kFlight);
-  // Row mapping: each lane accumulates kNV batch columns of the tile (at most 16 bytes of h:
-  // one vector load per nonzero), so kLPN = BT / kNV lanes share a nonzero and the warp's
-  // kNS = 32 / kLPN slices stride the row's nonzeros. Tiles up to 8 (16-bit) / 4 (float32):
-  // kLPN = 1, every lane its own nonzeros with the whole tile (the original mapping). Larger
-  // tiles ("batch lanes"): the kLPN lanes of a slice read one weight (a shared-memory
-  // broadcast) and contiguous h (h_s[col * BT + b0 .. + kNV]); registers stay those of BT = 8.
-  constexpr int kNV = kWide ? (static_cast<int>(sizeof(S)) * BT <= 16 ? BT : 16 / static_cast<int>(sizeof(S))) : BT;
-  constexpr int kLPN = BT / kNV;
+  // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
+  // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
+  // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h
+  // (h_s[col * BT + b0 .. + kNV]); registers stay those of BT = 8.
+  constexpr int kNV = RowMap<D, BT, kWide>::kNV;
+  constexpr int kLPN = RowMap<D, BT, kWide>::kLPN;
+  // Fused cell update (p.fuse_update): with one row per unit and every lane holding the whole
+  // tile's sums, the warp that reduced a row applies the cell and publishes h at once: no
+  // row-result round trip through shared memory, no block barrier between rows and update.
+  constexpr bool kFuse = G == 1 && kLPN == 1;
   // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
   // where the h gathers dominate (H * BT words per block and round), and at 64 registers (tiles
   // up to 8) its set-up code makes ptxas spill more.
@@ -707,6 +755,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = nthr >> 5;
   const int nb = gridDim.x;
   const int H = p.H, B = p.B, nT = p.T;
   const int bpad = p.ntiles * BT;
@@ -735,13 +784,16 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
     return;
   }
   const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
-                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
+                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)), 1,
+                                   p.u_cap * G + 1);
   S* h_s = reinterpret_cast<S*>(smem + L.h_off);
   uint32_t* cmask = reinterpret_cast<uint32_t*>(smem + L.m_off);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
   float* cst = reinterpret_cast<float*>(smem + L.cst_off);
   W* w_s = reinterpret_cast<W*>(smem + L.w_off);
+  int* rows_s = reinterpret_cast<int*>(smem + L.r_off);  // row offsets from kb0
+  int* len_s = reinterpret_cast<int*>(smem + L.len_off);  // clamped lengths of the bpad columns
 
   const int32_t* row_ptr = p.row_ptr;
   const long long kb0 = __ldg(row_ptr + static_cast<long long>(u0) * G);
@@ -756,6 +808,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
   load_weights<D>(p, kb0, n_in, w_s);
+  load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if constexpr (kFilter)
     for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
@@ -765,8 +818,14 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, cmask);
 
   const int npairs = nu * BT;
+  const bool fuse = kFuse && p.fuse_update != 0;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
+  // The input projection this thread prefetches each step (in flight while the block waits for
+  // h): that of the first pair it updates. Fused: lane bt of warp w, (unit w, column bt).
+  const int x_ul = fuse ? warp : tid / BT;
+  const int x_bt = fuse ? lane : tid % BT;
+  const bool x_pref = fuse ? (lane < BT && warp < nu) : tid < npairs;
 
   for (int s = 0; s < lmax; ++s) {
     for (int j = 0; j < p.ntiles; ++j) {
@@ -778,11 +837,22 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
       float xr[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) xr[g] = 0.0f;
-      if (tid < npairs) {
-        const int b = j * BT + tid % BT;
-        const int len = seq_len(p, b);
-        if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
+      if (x_pref) {
+        const int b = j * BT + x_bt;
+        const int len = len_s[b];
+        if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + x_ul, xr);
       }
+      // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
+      auto publish = [&](int u, int bt, float hnew) {
+        const long long xo = tile_off + static_cast<long long>(u) * BT + bt;
+        if (p.lamport) {
+          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
+        } else if constexpr (sizeof(S) == 4) {
+          __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
+        } else {
+          __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
+        }
+      };
 
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
@@ -885,27 +955,40 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) persistent_fwd(Par
       if (__syncthreads_or(aborted)) return;
       SPRNN_PROBE_STAMP(s, 1);
 
-      // 2. Rows (compute_rows above).
-      if (SPRNN_PROBE_MODE != 1) compute_rows<kCell, D, BT, kWide>(p, w_s, kb0, n_in, h_s, u0, nu, acc_s);
-      __syncthreads();
-      SPRNN_PROBE_STAMP(s, 2);
-
-      // 3. Cell update and publish.
-      for (int pi = tid; pi < npairs; pi += nthr) {
-        const int ul = pi / BT, bt = pi % BT;
-        const int u = u0 + ul;
-        const int b = j * BT + bt;
-        const float hnew = update_pair<kCell, D, BT>(p, s, ul, u, bt, b, ul * bpad + b, pi == tid,
-                                                     xr, acc_s, hst, cst);
-        const long long xo = tile_off + static_cast<long long>(u) * BT + bt;
-        if (p.lamport) {
-          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
-        } else {
-          if constexpr (sizeof(S) == 4) {
-            __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
-          } else {
-            __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
+      // 2. Rows and 3. cell update and publish.
+      if constexpr (kFuse) {  // the fused path is only built where it applies
+        if (fuse) {
+          for (int r = warp; r < nu; r += nwarps) {  // G == 1: row r is unit r
+            float acc[kNV];
+            if (SPRNN_PROBE_MODE != 1)
+              row_dot<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s[r], rows_s[r + 1], acc);
+            else
+              for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
+            if (lane < BT) {
+              float hw[1] = {acc[0]};
+#pragma unroll
+              for (int i = 1; i < kNV; ++i) hw[0] = lane == i ? acc[i] : hw[0];
+              const int b = j * BT + lane;
+              publish(u0 + r, lane, update_pair<kCell, D>(p, s, u0 + r, b, len_s[b], r * bpad + b,
+                                                          r == warp, xr, hw, hst, cst));
+            }
           }
+          if (p.lamport) __syncthreads();  // every read of h_s done before the next gather
+          SPRNN_PROBE_STAMP(s, 2);
+        }
+      }
+      if (!fuse) {
+        if (SPRNN_PROBE_MODE != 1)
+          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+        __syncthreads();
+        SPRNN_PROBE_STAMP(s, 2);
+        for (int pi = tid; pi < npairs; pi += nthr) {
+          const int ul = pi / BT, bt = pi % BT;
+          const int b = j * BT + bt;
+          float hw[G];
+          row_sums<G, BT>(acc_s, ul, bt, hw);
+          publish(u0 + ul, bt, update_pair<kCell, D>(p, s, u0 + ul, b, len_s[b], ul * bpad + b,
+                                                     pi == tid, xr, hw, hst, cst));
         }
       }
       SPRNN_PROBE_STAMP(s, 3);
