@@ -283,9 +283,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
   bool waiting = true;  // false once a wait expired: skip the rest, reach the final barrier
   for (int s = 0; s < lmax; ++s) {
     // The input projection of this thread's first pair, loaded while h_{s-1} arrives.
-    float xr[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) xr[g] = 0.0f;
+    typename T::S xr[G] = {};
     if (tid < npairs) {
       const int b = b_lo + tid % BT;
       const int len = len_s[tid % BT];

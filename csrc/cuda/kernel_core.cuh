@@ -428,16 +428,21 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
 #if defined(SPRNN_STEP_PROBE)
 __device__ unsigned long long* g_probe_trace;
 __device__ int g_probe_mode;
-#define SPRNN_PROBE_STAMP(s, k)                                                        \
-  do {                                                                                 \
-    if (threadIdx.x == 0 && g_probe_trace != nullptr) {                                \
-      unsigned long long* q = g_probe_trace + (static_cast<long long>(s) * gridDim.x + blockIdx.x) * 8; \
-      q[k] = clock64();                                                                \
-      q[4 + (k)] = global_ns();                                                        \
-    }                                                                                  \
+// Read once per kernel (a global load in every phase would itself miss the L1).
+#define SPRNN_PROBE_INIT                                  \
+  unsigned long long* const probe_trace = g_probe_trace; \
+  const int probe_mode = g_probe_mode
+#define SPRNN_PROBE_STAMP(s, k)                                                                  \
+  do {                                                                                           \
+    if (threadIdx.x == 0 && probe_trace != nullptr) {                                            \
+      unsigned long long* q = probe_trace + (static_cast<long long>(s) * gridDim.x + blockIdx.x) * 8; \
+      q[k] = clock64();                                                                          \
+      q[4 + (k)] = global_ns();                                                                  \
+    }                                                                                            \
   } while (0)
-#define SPRNN_PROBE_MODE g_probe_mode
+#define SPRNN_PROBE_MODE probe_mode
 #else
+#define SPRNN_PROBE_INIT static_assert(true, "")
 #define SPRNN_PROBE_STAMP(s, k) \
   do {                          \
   } while (0)
@@ -463,16 +468,18 @@ __device__ __forceinline__ void load_step_constants(const Params& p, int b_lo, i
     rows_s[i] = static_cast<int>(__ldg(p.row_ptr + r0 + i) - base);
 }
 
-// The G input projections of (unit u, sequence b) at step s < len, as float32.
+// The G input projections of (unit u, sequence b) at step s < len, in the storage type: callers
+// that prefetch convert at the use, so that the loads stay in flight until then (a conversion
+// right after the load waits for it).
 template <DType D, int G>
 __device__ __forceinline__ void load_x_pair(const Params& p, int s, int len, int b, int u,
-                                            float* x) {
+                                            typename Tr<D>::S* x) {
   using S = typename Tr<D>::S;
   const int t = step_time(s, len, p.reverse != 0);
   const S* xq = static_cast<const S*>(p.xp) +
                 (static_cast<long long>(t) * p.B + b) * G * static_cast<long long>(p.H) + u;
 #pragma unroll
-  for (int g = 0; g < G; ++g) x[g] = Tr<D>::to_f(xq[static_cast<long long>(g) * p.H]);
+  for (int g = 0; g < G; ++g) x[g] = xq[static_cast<long long>(g) * p.H];
 }
 
 // Copies nonzeros [kb0, kb0 + n_in) into shared memory as packed (value, column) words.
@@ -616,27 +623,29 @@ __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, flo
 }
 
 // Step 3 for one pair (unit u = u0 + ul, sequence b of length len, state index si): the cell
-// from the row results hw[G] and the input projection (xr when have_x, else loaded), the ys/cs
+// from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
+// it, else loaded here), the ys/cs
 // writes (zeros at padding positions s >= len) and the float32 state hst/cst[si]. Returns the
 // new h (the previous one past the sequence's end).
 template <Cell kCell, DType D>
 __device__ __forceinline__ float update_pair(const Params& p, int s, int u, int b, int len, int si,
-                                             bool have_x, const float* xr, const float* hw,
-                                             float* hst, float* cst) {
+                                             bool have_x, const typename Tr<D>::S* xr,
+                                             const float* hw, float* hst, float* cst) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
   const int B = p.B, H = p.H;
   const bool valid = s < len;
-  float x[G];
+  S xs[G] = {};
   if (have_x) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) x[g] = xr[g];
-  } else {
-#pragma unroll
-    for (int g = 0; g < G; ++g) x[g] = 0.0f;
-    if (valid) load_x_pair<D, G>(p, s, len, b, u, x);
+    for (int g = 0; g < G; ++g) xs[g] = xr[g];
+  } else if (valid) {
+    load_x_pair<D, G>(p, s, len, b, u, xs);
   }
+  float x[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) x[g] = T::to_f(xs[g]);
   const float hprev = hst[si];
   float hnew = hprev;
   S* ys = static_cast<S*>(p.ys);
@@ -745,14 +754,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // tile's sums, the warp that reduced a row applies the cell and publishes h at once: no
   // row-result round trip through shared memory, no block barrier between rows and update.
   constexpr bool kFuse = G == 1 && kLPN == 1;
-  // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
-  // where the h gathers dominate (H * BT words per block and round), and at 64 registers (tiles
-  // up to 8) its set-up code makes ptxas spill more.
-  constexpr bool kFilter = BT >= 16;
   static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
 
   extern __shared__ __align__(16) unsigned char smem[];
+  SPRNN_PROBE_INIT;
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = nthr >> 5;
@@ -809,9 +815,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // waits for it and it needs no h).
   load_weights<D>(p, kb0, n_in, w_s);
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
-  const bool filter = kFilter && p.col_filter != 0;
-  if constexpr (kFilter)
-    for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
+  const bool filter = p.col_filter != 0;
+  for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
   // (cmask is first read after step 0's gather barrier.)
@@ -834,9 +839,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 
       // Prefetch the input projection of this thread's first (unit, b) pair: the loads are in
       // flight while the block waits for h.
-      float xr[G];
-#pragma unroll
-      for (int g = 0; g < G; ++g) xr[g] = 0.0f;
+      S xr[G] = {};
       if (x_pref) {
         const int b = j * BT + x_bt;
         const int len = len_s[b];
@@ -882,7 +885,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         if (__syncthreads_or(aborted)) return;
         const S* src = xraw + prev_off;
         for (int it = tid; it < H * kRPU; it += nthr) {
-          if (kFilter && !((cmask[(it / kRPU) >> 5] >> ((it / kRPU) & 31)) & 1u)) continue;
+          if (!((cmask[(it / kRPU) >> 5] >> ((it / kRPU) & 31)) & 1u)) continue;
           uint32_t bits[kRW];
           if constexpr (sizeof(S) * kRW >= 16) {
 #pragma unroll
@@ -921,7 +924,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 #pragma unroll
           for (int i = 0; i < K; ++i) {
             const int it = ib + i * nthr;
-            if (it < nitems && (!kFilter || ((cmask[(it / kCPU) >> 5] >> ((it / kCPU) & 31)) & 1u))) pending |= 1u << i;
+            if (it < nitems && ((cmask[(it / kCPU) >> 5] >> ((it / kCPU) & 31)) & 1u)) pending |= 1u << i;
           }
           int spins = 0;
           while (pending) {
