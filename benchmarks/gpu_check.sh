@@ -5,6 +5,7 @@
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
+# probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS.
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
@@ -32,6 +33,24 @@ if [ "$MODE" = probe ]; then
     nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
       -o "/tmp/step_probe_$name" || exit 1
     timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
+  done
+  exit 0
+fi
+if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
+  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu \
+    -o /tmp/step_probe_prof || exit 1
+  i=0
+  for cfg in ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0}; do
+    echo "== $cfg" | tee -a "$OUT/profile_summary.txt"
+    timeout 150 ncu --clock-control none --set full --import-source yes -k regex:persistent_fwd -c 1 \
+      -f -o "/tmp/probe_prof$i" /tmp/step_probe_prof "$cfg" > "/tmp/probe_prof$i.log" 2>&1
+    ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
+    ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
+    python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 80 > "$OUT/sass_top_$i.txt" 2>&1
+    head -3 "$OUT/sass_top_$i.txt" | tee -a "$OUT/profile_summary.txt"
+    grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Mem Busy|Max Bandwidth" \
+      "$OUT/details_$i.txt" | tee -a "$OUT/profile_summary.txt"
+    i=$((i + 1))
   done
   exit 0
 fi
