@@ -179,18 +179,28 @@ __device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long lon
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void ld_relaxed_v4(const uint32_t* p, uint32_t* r) {
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "l"(p)
-               : "memory");
+// Predicated relaxed loads for the gathers: with pred == 0 nothing is read and r keeps its
+// value. The predicate is inside the asm, so the compiler needs no branch around it (an
+// `if` around an asm volatile load cost a branch per item; step probe profile).
+#define SPRNN_LD_RELAXED_IF(VEC, TYPE, OUTS, ...)                                         \
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %" #VEC ", 0;\n\t"                   \
+               "@q ld.relaxed.gpu.global" TYPE " " OUTS ";\n}" __VA_ARGS__ : "memory")
+__device__ __forceinline__ void ld_relaxed_if(const uint32_t* p, uint32_t* r, uint32_t pred) {
+  SPRNN_LD_RELAXED_IF(2, ".u32", "%0, [%1]", : "+r"(r[0]) : "l"(p), "r"(pred));
 }
-__device__ __forceinline__ void ld_relaxed_v2(const unsigned long long* p, unsigned long long* r) {
-  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];"
-               : "=l"(r[0]), "=l"(r[1])
-               : "l"(p)
-               : "memory");
+__device__ __forceinline__ void ld_relaxed_if(const unsigned long long* p, unsigned long long* r,
+                                              uint32_t pred) {
+  SPRNN_LD_RELAXED_IF(2, ".u64", "%0, [%1]", : "+l"(r[0]) : "l"(p), "r"(pred));
 }
+__device__ __forceinline__ void ld_relaxed_v4_if(const uint32_t* p, uint32_t* r, uint32_t pred) {
+  SPRNN_LD_RELAXED_IF(5, ".v4.u32", "{%0,%1,%2,%3}, [%4]",
+                      : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3]) : "l"(p), "r"(pred));
+}
+__device__ __forceinline__ void ld_relaxed_v2_if(const unsigned long long* p,
+                                                 unsigned long long* r, uint32_t pred) {
+  SPRNN_LD_RELAXED_IF(3, ".v2.u64", "{%0,%1}, [%2]", : "+l"(r[0]), "+l"(r[1]) : "l"(p), "r"(pred));
+}
+#undef SPRNN_LD_RELAXED_IF
 __device__ __forceinline__ void st_relaxed(uint32_t* p, uint32_t v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -203,25 +213,24 @@ __device__ __forceinline__ uint32_t ld_acquire(const unsigned int* p) {
   return v;
 }
 
-// Loads the BT tagged words of one unit (contiguous, aligned to their size). Each element is
-// loaded single-copy atomically (u32 or u64 elements of vector loads).
+// Loads the BT tagged words of one unit (contiguous, aligned to their size) when pred != 0
+// (else w keeps its values). Each element is loaded single-copy atomically (u32 or u64
+// elements of vector loads).
 template <class X, int BT>
-__device__ __forceinline__ void load_x(const X* p, X* w) {
-  if constexpr (sizeof(X) == 4) {
-    if constexpr (BT >= 4) {
+__device__ __forceinline__ void load_x(const X* p, X* w, uint32_t pred) {
+  constexpr int kVec = sizeof(X) == 4 ? 4 : 2;  // elements per 16-byte vector load
+  if constexpr (BT >= kVec) {
 #pragma unroll
-      for (int i = 0; i < BT; i += 4) ld_relaxed_v4(p + i, w + i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < BT; ++i) w[i] = ld_relaxed(p + i);
+    for (int i = 0; i < BT; i += kVec) {
+      if constexpr (sizeof(X) == 4) {
+        ld_relaxed_v4_if(p + i, w + i, pred);
+      } else {
+        ld_relaxed_v2_if(p + i, w + i, pred);
+      }
     }
   } else {
-    if constexpr (BT >= 2) {
 #pragma unroll
-      for (int i = 0; i < BT; i += 2) ld_relaxed_v2(p + i, w + i);
-    } else {
-      w[0] = ld_relaxed(p);
-    }
+    for (int i = 0; i < BT; ++i) ld_relaxed_if(p + i, w + i, pred);
   }
 }
 
@@ -919,33 +928,38 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const X* src = xtag + prev_off;
         const int nitems = H * kCPU;
         unsigned long long start = 0;
+        // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
+        // are issued before any tag is checked, and only the pending ones are polled again.
+        // Branch-free on the common path (predicated loads): this loop's instructions were
+        // most of a small layer's step (step probe profile, benchmarks/NOTES.md).
         for (int ib = tid; ib < nitems && !aborted; ib += nthr * K) {
-          unsigned int pending = 0;
+          const int left = (nitems - ib + nthr - 1) / nthr;
+          unsigned int pending = left >= K ? (1u << K) - 1u : (1u << left) - 1u;
+          if (filter) {
 #pragma unroll
-          for (int i = 0; i < K; ++i) {
-            const int it = ib + i * nthr;
-            if (it < nitems && ((cmask[(it / kCPU) >> 5] >> ((it / kCPU) & 31)) & 1u)) pending |= 1u << i;
+            for (int i = 0; i < K; ++i) {
+              const int u = (ib + i * nthr) / kCPU;
+              if ((pending >> i) & 1u) pending &= ~(((~cmask[u >> 5] >> (u & 31)) & 1u) << i);
+            }
           }
           int spins = 0;
           while (pending) {
-            X w[K][kCW];
+            X w[K][kCW] = {};
 #pragma unroll
             for (int i = 0; i < K; ++i)
-              if (pending & (1u << i)) load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i]);
+              load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
 #pragma unroll
             for (int i = 0; i < K; ++i) {
-              if (pending & (1u << i)) {
-                bool ok = true;
+              if (i >= left) break;  // items past the end: none in this round
+              bool ok = (pending >> i) & 1u;
 #pragma unroll
-                for (int q = 0; q < kCW; ++q) ok = ok && T::x_ok(w[i][q], tag);
-                if (SPRNN_PROBE_MODE == 2) ok = true;
-                if (ok) {
-                  uint32_t bits[kCW];
+              for (int q = 0; q < kCW; ++q) ok = ok && (T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
+              if (ok) {
+                uint32_t bits[kCW];
 #pragma unroll
-                  for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
-                  store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
-                  pending &= ~(1u << i);
-                }
+                for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
+                store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
+                pending &= ~(1u << i);
               }
             }
             if (pending) {
