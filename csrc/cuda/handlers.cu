@@ -530,9 +530,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
-  // rnn with tiles up to 8 (16-bit) / 4 (float32): the warp that reduces a row applies the cell
-  // (kernel_core.cuh, kFuse); 0 = the separate update phase (benchmarks).
-  p.fuse_update = env_int("SPRNN_CUDA_FUSE", 1) != 0 ? 1 : 0;
   p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).

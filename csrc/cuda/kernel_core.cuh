@@ -72,7 +72,6 @@ struct Params {
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
   int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
   int row_lanes;          // cluster kernel: lanes per row (0 = row_lanes_for)
-  int fuse_update;        // 1 = the warp that reduced a row applies the cell (rnn, narrow tiles)
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -631,6 +630,23 @@ __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, flo
   for (int g = 0; g < G; ++g) hw[g] = acc_s[(ul * G + g) * BT + bt];
 }
 
+// The cell math's exp and tanh (the `M` policy of common/cells.h) per storage type. For the
+// 16-bit types, hardware exp2 based ones: about 1e-7 absolute error, far below the outputs'
+// 16-bit rounding, and a few instructions where expf / tanhf take tens with branches (the
+// LSTM cell update was ~0.6 us of a step; step probe). float32 keeps CUDA's accurate ones.
+struct FastCellMath {
+  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
+  static __device__ __forceinline__ float tanh(float x) {
+    return __fdividef(2.0f, 1.0f + __expf(-2.0f * x)) - 1.0f;  // saturates to -1 / 1
+  }
+};
+template <DType D>
+struct CellMathOf { using type = FastCellMath; };
+template <>
+struct CellMathOf<DType::kF32> { using type = LibmMath; };
+template <DType D>
+using CellMath = typename CellMathOf<D>::type;
+
 // Step 3 for one pair (unit u = u0 + ul, sequence b of length len, state index si): the cell
 // from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
 // it, else loaded here), the ys/cs
@@ -667,14 +683,15 @@ __device__ __forceinline__ float update_pair(const Params& p, int s, int u, int 
 #pragma unroll
       for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
       float c = cst[si];
-      hnew = lstm_step(pre, c);
+      hnew = lstm_step<CellMath<D>>(pre, c);
       cst[si] = c;
       cs[o] = T::from_f(c);
     } else if constexpr (kCell == Cell::kGru) {
       const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
-      hnew = gru_step(x, hw, bh, hprev);
+      hnew = gru_step<CellMath<D>>(x, hw, bh, hprev);
     } else {
-      hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw[0]) : rnn_step<Cell::kRnnTanh>(x[0], hw[0]);
+      hnew = p.activation ? rnn_step<Cell::kRnnRelu, CellMath<D>>(x[0], hw[0])
+                          : rnn_step<Cell::kRnnTanh, CellMath<D>>(x[0], hw[0]);
     }
     hst[si] = hnew;
     ys[o] = T::from_f(hnew);
@@ -759,10 +776,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // (h_s[col * BT + b0 .. + kNV]); registers stay those of BT = 8.
   constexpr int kNV = RowMap<D, BT, kWide>::kNV;
   constexpr int kLPN = RowMap<D, BT, kWide>::kLPN;
-  // Fused cell update (p.fuse_update): with one row per unit and every lane holding the whole
-  // tile's sums, the warp that reduced a row applies the cell and publishes h at once: no
-  // row-result round trip through shared memory, no block barrier between rows and update.
-  constexpr bool kFuse = G == 1 && kLPN == 1;
+  // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
+  // where the h gathers dominate (H * BT words per block and round). For tiles up to 8 its
+  // per-item check cost more than the loads it saved (step probe: 2.40 vs 2.01 us/step at
+  // ReLU H=1152, B=4).
+  constexpr bool kFilter = BT >= 16;
   static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
 
@@ -770,7 +788,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   SPRNN_PROBE_INIT;
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
-  const int lane = tid & 31, warp = tid >> 5, nwarps = nthr >> 5;
   const int nb = gridDim.x;
   const int H = p.H, B = p.B, nT = p.T;
   const int bpad = p.ntiles * BT;
@@ -824,7 +841,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // waits for it and it needs no h).
   load_weights<D>(p, kb0, n_in, w_s);
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
-  const bool filter = p.col_filter != 0;
+  const bool filter = kFilter && p.col_filter != 0;
   for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
@@ -832,14 +849,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, cmask);
 
   const int npairs = nu * BT;
-  const bool fuse = kFuse && p.fuse_update != 0;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
-  // The input projection this thread prefetches each step (in flight while the block waits for
-  // h): that of the first pair it updates. Fused: lane bt of warp w, (unit w, column bt).
-  const int x_ul = fuse ? warp : tid / BT;
-  const int x_bt = fuse ? lane : tid % BT;
-  const bool x_pref = fuse ? (lane < BT && warp < nu) : tid < npairs;
 
   for (int s = 0; s < lmax; ++s) {
     for (int j = 0; j < p.ntiles; ++j) {
@@ -849,10 +860,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // Prefetch the input projection of this thread's first (unit, b) pair: the loads are in
       // flight while the block waits for h.
       S xr[G] = {};
-      if (x_pref) {
-        const int b = j * BT + x_bt;
+      if (tid < npairs) {  // the input projection of this thread's first pair, in flight while
+                           // the block waits for h
+        const int b = j * BT + tid % BT;
         const int len = len_s[b];
-        if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + x_ul, xr);
+        if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
       }
       // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
       auto publish = [&](int u, int bt, float hnew) {
@@ -933,7 +945,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         // Branch-free on the common path (predicated loads): this loop's instructions were
         // most of a small layer's step (step probe profile, benchmarks/NOTES.md).
         for (int ib = tid; ib < nitems && !aborted; ib += nthr * K) {
-          const int left = (nitems - ib + nthr - 1) / nthr;
+          const int left = ib + (K - 1) * nthr < nitems ? K : (nitems - ib + nthr - 1) / nthr;
           unsigned int pending = left >= K ? (1u << K) - 1u : (1u << left) - 1u;
           if (filter) {
 #pragma unroll
@@ -972,41 +984,20 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       if (__syncthreads_or(aborted)) return;
       SPRNN_PROBE_STAMP(s, 1);
 
-      // 2. Rows and 3. cell update and publish.
-      if constexpr (kFuse) {  // the fused path is only built where it applies
-        if (fuse) {
-          for (int r = warp; r < nu; r += nwarps) {  // G == 1: row r is unit r
-            float acc[kNV];
-            if (SPRNN_PROBE_MODE != 1)
-              row_dot<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s[r], rows_s[r + 1], acc);
-            else
-              for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
-            if (lane < BT) {
-              float hw[1] = {acc[0]};
-#pragma unroll
-              for (int i = 1; i < kNV; ++i) hw[0] = lane == i ? acc[i] : hw[0];
-              const int b = j * BT + lane;
-              publish(u0 + r, lane, update_pair<kCell, D>(p, s, u0 + r, b, len_s[b], r * bpad + b,
-                                                          r == warp, xr, hw, hst, cst));
-            }
-          }
-          if (p.lamport) __syncthreads();  // every read of h_s done before the next gather
-          SPRNN_PROBE_STAMP(s, 2);
-        }
-      }
-      if (!fuse) {
-        if (SPRNN_PROBE_MODE != 1)
-          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
-        __syncthreads();
-        SPRNN_PROBE_STAMP(s, 2);
-        for (int pi = tid; pi < npairs; pi += nthr) {
-          const int ul = pi / BT, bt = pi % BT;
-          const int b = j * BT + bt;
-          float hw[G];
-          row_sums<G, BT>(acc_s, ul, bt, hw);
-          publish(u0 + ul, bt, update_pair<kCell, D>(p, s, u0 + ul, b, len_s[b], ul * bpad + b,
-                                                     pi == tid, xr, hw, hst, cst));
-        }
+      // 2. Rows (compute_rows above).
+      if (SPRNN_PROBE_MODE != 1)
+        compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+      __syncthreads();
+      SPRNN_PROBE_STAMP(s, 2);
+
+      // 3. Cell update and publish.
+      for (int pi = tid; pi < npairs; pi += nthr) {
+        const int ul = pi / BT, bt = pi % BT;
+        const int b = j * BT + bt;
+        float hw[G];
+        row_sums<G, BT>(acc_s, ul, bt, hw);
+        publish(u0 + ul, bt, update_pair<kCell, D>(p, s, u0 + ul, b, len_s[b], ul * bpad + b,
+                                                   pi == tid, xr, hw, hst, cst));
       }
       SPRNN_PROBE_STAMP(s, 3);
       if (!p.lamport) {
