@@ -431,8 +431,9 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
 // ---- step probe (benchmarks/step_probe.cu only) ------------------------------------------------
 // With SPRNN_STEP_PROBE defined, thread 0 of every block stamps clock64 and %globaltimer at the
 // phase boundaries of each step (g_probe_trace[(s * nb + block) * 8 + k]: k = 0..3 clocks,
-// 4..7 timers), and g_probe_mode can switch parts off: 1 = skip the rows (exchange only), 2 =
-// do not wait for the tags (no synchronization: the local work's floor). Not built otherwise.
+// 4..7 timers), and g_probe_mode can switch parts off or add some: 1 = skip the rows (exchange
+// only), 2 = do not wait for the tags (no synchronization: the local work's floor), 3 = a block
+// barrier after the cell update (no polling while a block publishes). Not built otherwise.
 #if defined(SPRNN_STEP_PROBE)
 __device__ unsigned long long* g_probe_trace;
 __device__ int g_probe_mode;
@@ -1006,6 +1007,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           __threadfence();
           atomicAdd(p.counters + j, 1u);
         }
+      } else if (SPRNN_PROBE_MODE == 3) {
+        __syncthreads();
       }
     }
   }
