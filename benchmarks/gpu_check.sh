@@ -5,6 +5,7 @@
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
+# verify: the GPU kernel tests (two processes), then bench_gpu.py $BENCH_ARGS (--targets).
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS.
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
@@ -61,6 +62,18 @@ rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
 if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
+if [ "$MODE" = verify ]; then
+  # The whole GPU kernel test file in two concurrent processes (their time is mostly JAX
+  # compiling on the host), then the targets table.
+  REPO="$(pwd)"
+  (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "test_kernel_matches_oracle" > "$OUT/test_gpu_a.log" 2>&1) &
+  (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "not test_kernel_matches_oracle" > "$OUT/test_gpu_b.log" 2>&1) &
+  wait
+  tail -4 "$OUT/test_gpu_a.log" "$OUT/test_gpu_b.log"
+  timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
   # Run pytest from outside the checkout so that the installed package (with its compiled
   # extensions) is imported, not the source tree.
