@@ -99,10 +99,9 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   const long long total = nnz + static_cast<long long>(p.alpha) * H;
   p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
   const long long avail = smem_optin - 256;
-  const int row_words = p.u_cap * G + 1;
-  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4, 1, row_words);
+  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4);
   p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / 4, 1LL << 30));
-  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4, 1, row_words).total;
+  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
   p.timeout_ns = 5000000000LL;
   p.col_filter = c.filter;
   p.spin_ns = c.spin_ns;

@@ -140,8 +140,12 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
   const long long total = nnz + static_cast<long long>(pl.alpha) * H;
   pl.u_cap = static_cast<int>(std::min<long long>(H, (total / pl.nb + 1) / pl.alpha + 2));
-  // Nonzeros one block must hold: the average plus one unit's average (partition granularity).
-  pl.w_need = (nnz + pl.nb - 1) / pl.nb + (nnz + H - 1) / H;
+  // Words one block's weight region must hold: the average nonzeros plus one unit's average
+  // (partition granularity), plus the row offsets of an average block (4 bytes per row, at the
+  // start of the region; kernel_core.cuh).
+  const long long avg_rows = (gates * H + pl.nb - 1) / pl.nb + 1;
+  pl.w_need = (nnz + pl.nb - 1) / pl.nb + (nnz + H - 1) / H +
+              (align16(avg_rows * 4) + w_bytes_of(dtype) - 1) / w_bytes_of(dtype);
   const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
   const bool lstm = gates == 4;
 
@@ -172,11 +176,11 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   for (int i = 0; i < nc; ++i) {
     const int bt = cands[i];
     const int ntiles = static_cast<int>((B + bt - 1) / bt);
-    const int row_words = pl.u_cap * gates + 1;
     const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm,
-                                      pl.u_cap, 0, s_bytes_of(dtype), w_bytes_of(dtype), 1,
-                                      row_words);
-    if (l0.total > avail) continue;
+                                      pl.u_cap, 0, s_bytes_of(dtype), w_bytes_of(dtype));
+    // The weight region must hold the row offsets of the largest possible block.
+    const long long rows_bytes = align16((static_cast<long long>(pl.u_cap) * gates + 1) * 4);
+    if (l0.total + rows_bytes > avail) continue;
     Plan c = pl;
     c.bt = bt;
     c.ntiles = ntiles;
@@ -185,7 +189,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     any_on_chip = any_on_chip || c.on_chip;
     const SmemLayout l = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, pl.u_cap,
                                      static_cast<int>(c.w_cap), s_bytes_of(dtype),
-                                     w_bytes_of(dtype), 1, row_words);
+                                     w_bytes_of(dtype));
     c.smem = l.total;
     c.persistent = true;
     // Largest batch tile that keeps at least 3/4 of the nonzeros on chip: measured on the

@@ -387,7 +387,8 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
 __host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
 
 // h tile (h_slots copies, h_stride bytes apart: the cluster kernel double-buffers it) | row
-// results | h state | c state (lstm) | needed-column bitmap | row offsets (row_words ints) |
+// results | h state | c state (lstm) | needed-column bitmap | row offsets (row_words ints: the
+// cluster kernel; persistent_fwd keeps its rows' offsets at the start of the weight region) |
 // sequence lengths (bpad ints) | nonzeros. Row offsets and lengths are read every step: from
 // shared memory they cost no L1 miss (the x and ys streams evict them from the small L1 left
 // beside 227 KB of shared memory; benchmarks/NOTES.md, step probe).
@@ -817,21 +818,24 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     return;
   }
   const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
-                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)), 1,
-                                   p.u_cap * G + 1);
+                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
   S* h_s = reinterpret_cast<S*>(smem + L.h_off);
   uint32_t* cmask = reinterpret_cast<uint32_t*>(smem + L.m_off);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
   float* cst = reinterpret_cast<float*>(smem + L.cst_off);
-  W* w_s = reinterpret_cast<W*>(smem + L.w_off);
-  int* rows_s = reinterpret_cast<int*>(smem + L.r_off);  // row offsets from kb0
   int* len_s = reinterpret_cast<int*>(smem + L.len_off);  // clamped lengths of the bpad columns
+  // The weight region (w_cap words) holds this block's row offsets (from kb0), then as many of
+  // its nonzeros as fit: sized by the block's own rows, not the worst case u_cap.
+  const long long rows_bytes = align16(static_cast<long long>(nu * G + 1) * 4);
+  int* rows_s = reinterpret_cast<int*>(smem + L.w_off);
+  W* w_s = reinterpret_cast<W*>(smem + L.w_off + rows_bytes);
+  const long long w_room = p.w_cap - rows_bytes / static_cast<long long>(sizeof(W));
 
   const int32_t* row_ptr = p.row_ptr;
   const long long kb0 = __ldg(row_ptr + static_cast<long long>(u0) * G);
   const long long kb1 = __ldg(row_ptr + static_cast<long long>(u0 + nu) * G);
-  const long long n_in = (kb1 - kb0) < p.w_cap ? (kb1 - kb0) : p.w_cap;
+  const long long n_in = (kb1 - kb0) < w_room ? (kb1 - kb0) : (w_room > 0 ? w_room : 0);
 
   // Load this block's nonzeros (as many as fit) and its initial state, and mark the h units
   // its rows read (col_filter): the gathers skip the others (fewer L2 reads per step, most
