@@ -23,8 +23,9 @@
 // into an error.
 // Layouts (template kWide): naive h_s[b][H] with BT scalar loads per nonzero (variant a), or
 // wide h_s[H][BT] with one vector load per nonzero (variants b-d).
-// Tiles of 16 to 64 are built for 512 threads (128 registers) and gather only the h units
-// their rows read plus one unit per block (p.col_filter, see the prologue of persistent_fwd).
+// Every tile is built for 512 threads (128 registers, no spills). Tiles of 16 to 64 gather
+// only the h units their rows read plus one unit per block (p.col_filter, see the prologue of
+// persistent_fwd). Per-step constants (row offsets, lengths) live in shared memory.
 #pragma once
 
 #if defined(__CUDACC_RTC__)
