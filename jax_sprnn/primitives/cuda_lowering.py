@@ -30,9 +30,10 @@ nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWa
 
 Batch tiles: 1, 2, 4, 8, 16, 32 or 64 sequences per exchange round, the smallest that holds
 the batch unless its h tile does not fit in shared memory or its weights would not stay
-(>= 3/4) on chip; tiles of 16 to 64 share each nonzero between several lanes and run 512
-threads. Run-time knobs read by the handler at each
-call (benchmarks): ``SPRNN_CUDA_BT``, ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS``,
+(>= 3/4) on chip; tiles of 16 to 64 share each nonzero between several lanes. Threads per
+block: a warp per row of the block plus three, 8 to 16 warps (the kernel is built for 512).
+Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT``,
+``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS`` (at most 512),
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
 ``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
