@@ -650,11 +650,10 @@ struct CellMathOf<DType::kF32> { using type = LibmMath; };
 template <DType D>
 using CellMath = typename CellMathOf<D>::type;
 
-// Step 3 for one pair (unit u = u0 + ul, sequence b of length len, state index si): the cell
-// from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
-// it, else loaded here), the ys/cs
-// writes (zeros at padding positions s >= len) and the float32 state hst/cst[si]. Returns the
-// new h (the previous one past the sequence's end).
+// Step 3 for one pair (unit u, sequence b of length len, state index si): the cell from the row
+// results hw[G] and the input projection (xr when have_x, as load_x_pair stored it, else loaded
+// here), the ys/cs writes (zeros at padding positions s >= len) and the float32 state
+// hst/cst[si]. Returns the new h (the previous one past the sequence's end).
 template <Cell kCell, DType D>
 __device__ __forceinline__ float update_pair(const Params& p, int s, int u, int b, int len, int si,
                                              bool have_x, const typename Tr<D>::S* xr,
@@ -848,7 +847,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   load_weights<D>(p, kb0, n_in, w_s);
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
-  for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = filter ? 0u : ~0u;
+  if (filter)
+    for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = 0u;
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
   // (cmask is first read after step 0's gather barrier.)
@@ -872,17 +872,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const int len = len_s[b];
         if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
       }
-      // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
-      auto publish = [&](int u, int bt, float hnew) {
-        const long long xo = tile_off + static_cast<long long>(u) * BT + bt;
-        if (p.lamport) {
-          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
-        } else if constexpr (sizeof(S) == 4) {
-          __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
-        } else {
-          __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
-        }
-      };
 
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
@@ -912,7 +901,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         if (__syncthreads_or(aborted)) return;
         const S* src = xraw + prev_off;
         for (int it = tid; it < H * kRPU; it += nthr) {
-          if (!((cmask[(it / kRPU) >> 5] >> ((it / kRPU) & 31)) & 1u)) continue;
+          if (filter && !((cmask[(it / kRPU) >> 5] >> ((it / kRPU) & 31)) & 1u)) continue;
           uint32_t bits[kRW];
           if constexpr (sizeof(S) * kRW >= 16) {
 #pragma unroll
@@ -1002,8 +991,17 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const int b = j * BT + bt;
         float hw[G];
         row_sums<G, BT>(acc_s, ul, bt, hw);
-        publish(u0 + ul, bt, update_pair<kCell, D>(p, s, u0 + ul, b, len_s[b], ul * bpad + b,
-                                                   pi == tid, xr, hw, hst, cst));
+        const float hnew = update_pair<kCell, D>(p, s, u0 + ul, b, len_s[b], ul * bpad + b,
+                                                 pi == tid, xr, hw, hst, cst);
+        // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
+        const long long xo = tile_off + static_cast<long long>(u0 + ul) * BT + bt;
+        if (p.lamport) {
+          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
+        } else if constexpr (sizeof(S) == 4) {
+          __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
+        } else {
+          __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
+        }
       }
       SPRNN_PROBE_STAMP(s, 3);
       if (!p.lamport) {
