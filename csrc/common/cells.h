@@ -22,15 +22,16 @@ SPRNN_HD constexpr int gates_of(Cell cell) {
   return cell == Cell::kLstm ? 4 : (cell == Cell::kGru ? 3 : 1);
 }
 
-// The elementary functions of the cell math. The default is the C library's (CUDA's own on
+// The elementary functions of the cell math (exp, tanh, sigmoid). The default is the C library's (CUDA's own on
 // the device); the CPU handlers pass a branch-free polynomial version that vectorizes.
 struct LibmMath {
   static SPRNN_HD float exp(float x) { return expf(x); }
   static SPRNN_HD float tanh(float x) { return tanhf(x); }
+  static SPRNN_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 };
 
 template <class M = LibmMath>
-SPRNN_HD float sigmoid(float x) { return 1.0f / (1.0f + M::exp(-x)); }
+SPRNN_HD float sigmoid(float x) { return M::sigmoid(x); }
 
 // rnn: h' = act(x + hw)
 template <Cell kCell, class M = LibmMath>

@@ -27,6 +27,8 @@ struct FastMath {
     return f;
   }
 
+  static inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+
   static inline float exp(float x) {
     // exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2) / 2.
     const bool is_nan = x != x;

@@ -284,10 +284,11 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
   for (int s = 0; s < lmax; ++s) {
     // The input projection of this thread's first pair, loaded while h_{s-1} arrives.
     typename T::S xr[G] = {};
+    PairStep ps0{};
     if (tid < npairs) {
-      const int b = b_lo + tid % BT;
-      const int len = len_s[tid % BT];
-      if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
+      const int u = u0 + tid / BT;
+      ps0 = pair_step(p, s, len_s[tid % BT], b_lo + tid % BT, u);
+      if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
     }
     const bool send = s + 1 < lmax;
     // Arm the next slot's phase (its previous phase completed before step s-1 read it).
@@ -310,8 +311,10 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
       if (active) {
         float hw[G];
         row_sums<G, BT>(acc_s, ul, bt, hw);
-        const float hnew = update_pair<kCell, D>(p, s, u0 + ul, b_lo + bt, len_s[bt], pi,
-                                                 pi == tid, xr, hw, hst, cst);
+        const bool first = pi == tid;
+        const float hnew = update_pair<kCell, D>(
+            p, first ? ps0 : pair_step(p, s, len_s[bt], b_lo + bt, u0 + ul), u0 + ul, b_lo + bt,
+            pi, first, xr, hw, hst, cst);
         h = T::to_f(T::from_f(hnew));  // what the other units see: h rounded to the dtype
       }
       const int c0 = lane - bt % kV;  // first lane of this lane's chunk

@@ -73,8 +73,8 @@ struct Params {
   int spin_ns;            // back-off after a poll that found nothing new (0 = none)
   int col_filter;         // 1 = a block gathers only the h units its rows read (+ one per block)
   int row_lanes;          // lanes per row. cluster kernel: 0 = row_lanes_for; persistent_fwd:
-                          // 16 = two rows per warp, 32 = one, 0 = two where a block has more
-                          // rows than warps
+                          // 16 = two rows per warp, 32 = one, 0 = two where that saves a
+                          // pass over the rows
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -481,16 +481,29 @@ __device__ __forceinline__ void load_step_constants(const Params& p, int b_lo, i
     rows_s[i] = static_cast<int>(__ldg(p.row_ptr + r0 + i) - base);
 }
 
-// The G input projections of (unit u, sequence b) at step s < len, in the storage type: callers
-// that prefetch convert at the use, so that the loads stay in flight until then (a conversion
-// right after the load waits for it).
+// Where pair (unit u, sequence b of length len) stands at step s: whether the step is in the
+// sequence, and the ys/cs offset it writes (time step_time(s) then; padding positions s >= len
+// get zeros at time s). Threads compute it for their first pair at the top of the round, off
+// the update's critical path (the update is a short dependent chain in one or two warps that
+// every block waits for).
+struct PairStep {
+  bool valid;
+  long long o;
+};
+__device__ __forceinline__ PairStep pair_step(const Params& p, int s, int len, int b, int u) {
+  const bool valid = s < len;
+  const int t = valid ? step_time(s, len, p.reverse != 0) : s;
+  return {valid, (static_cast<long long>(t) * p.B + b) * p.H + u};
+}
+
+// The G input projections of a valid pair step (unit u; xp row t * B + b holds G * H values),
+// in the storage type: callers that prefetch convert at the use, so that the loads stay in
+// flight until then (a conversion right after the load waits for it).
 template <DType D, int G>
-__device__ __forceinline__ void load_x_pair(const Params& p, int s, int len, int b, int u,
+__device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps, int u,
                                             typename Tr<D>::S* x) {
   using S = typename Tr<D>::S;
-  const int t = step_time(s, len, p.reverse != 0);
-  const S* xq = static_cast<const S*>(p.xp) +
-                (static_cast<long long>(t) * p.B + b) * G * static_cast<long long>(p.H) + u;
+  const S* xq = static_cast<const S*>(p.xp) + (ps.o - u) * G + u;
 #pragma unroll
   for (int g = 0; g < G; ++g) x[g] = xq[static_cast<long long>(g) * p.H];
 }
@@ -654,14 +667,19 @@ __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, flo
   for (int g = 0; g < G; ++g) hw[g] = acc_s[(ul * G + g) * BT + bt];
 }
 
-// The cell math's exp and tanh (the `M` policy of common/cells.h) per storage type. For the
-// 16-bit types, hardware exp2 based ones: about 1e-7 absolute error, far below the outputs'
-// 16-bit rounding, and a few instructions where expf / tanhf take tens with branches (the
-// LSTM cell update was ~0.6 us of a step; step probe). float32 keeps CUDA's accurate ones.
+// The cell math's exp, tanh and sigmoid (the `M` policy of common/cells.h) per storage type.
+// For the 16-bit types, hardware exp2 and reciprocal based ones: about 1e-7 absolute error, far
+// below the outputs' 16-bit rounding, and a few straight-line instructions where expf / tanhf /
+// an IEEE division take tens with branches and slow-path calls. The LSTM update is one warp's
+// dependent chain on every step's critical path (step probe: 0.64 us/step of 2.54 at H=1024).
+// float32 keeps CUDA's accurate ones.
 struct FastCellMath {
   static __device__ __forceinline__ float exp(float x) { return __expf(x); }
   static __device__ __forceinline__ float tanh(float x) {
     return __fdividef(2.0f, 1.0f + __expf(-2.0f * x)) - 1.0f;  // saturates to -1 / 1
+  }
+  static __device__ __forceinline__ float sigmoid(float x) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));  // 0 once exp(-x) > 2^126
   }
 };
 template <DType D>
@@ -671,25 +689,23 @@ struct CellMathOf<DType::kF32> { using type = LibmMath; };
 template <DType D>
 using CellMath = typename CellMathOf<D>::type;
 
-// Step 3 for one pair (unit u, sequence b of length len, state index si): the cell from the row
-// results hw[G] and the input projection (xr when have_x, as load_x_pair stored it, else loaded
-// here), the ys/cs writes (zeros at padding positions s >= len) and the float32 state
-// hst/cst[si]. Returns the new h (the previous one past the sequence's end).
+// Step 3 for one pair (unit u, sequence b, state index si) at step s (ps = pair_step): the cell
+// from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
+// it, else loaded here), the ys/cs writes and the float32 state hst/cst[si]. Returns the new h
+// (the previous one past the sequence's end).
 template <Cell kCell, DType D>
-__device__ __forceinline__ float update_pair(const Params& p, int s, int u, int b, int len, int si,
-                                             bool have_x, const typename Tr<D>::S* xr,
+__device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps, int u, int b,
+                                             int si, bool have_x, const typename Tr<D>::S* xr,
                                              const float* hw, float* hst, float* cst) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
-  const int B = p.B, H = p.H;
-  const bool valid = s < len;
   S xs[G] = {};
   if (have_x) {
 #pragma unroll
     for (int g = 0; g < G; ++g) xs[g] = xr[g];
-  } else if (valid) {
-    load_x_pair<D, G>(p, s, len, b, u, xs);
+  } else if (ps.valid) {
+    load_x_pair<D, G>(p, ps, u, xs);
   }
   float x[G];
 #pragma unroll
@@ -698,9 +714,7 @@ __device__ __forceinline__ float update_pair(const Params& p, int s, int u, int 
   float hnew = hprev;
   S* ys = static_cast<S*>(p.ys);
   S* cs = static_cast<S*>(p.cs);
-  if (valid) {
-    const int t = step_time(s, len, p.reverse != 0);
-    const long long o = (static_cast<long long>(t) * B + b) * H + u;
+  if (ps.valid) {
     if constexpr (kCell == Cell::kLstm) {
       float pre[4];
 #pragma unroll
@@ -708,7 +722,7 @@ __device__ __forceinline__ float update_pair(const Params& p, int s, int u, int 
       float c = cst[si];
       hnew = lstm_step<CellMath<D>>(pre, c);
       cst[si] = c;
-      cs[o] = T::from_f(c);
+      cs[ps.o] = T::from_f(c);
     } else if constexpr (kCell == Cell::kGru) {
       const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
       hnew = gru_step<CellMath<D>>(x, hw, bh, hprev);
@@ -717,12 +731,10 @@ __device__ __forceinline__ float update_pair(const Params& p, int s, int u, int 
                           : rnn_step<Cell::kRnnTanh, CellMath<D>>(x[0], hw[0]);
     }
     hst[si] = hnew;
-    ys[o] = T::from_f(hnew);
-  } else if (b < B) {
-    // Step s >= L_b: time position s is padding.
-    const long long o = (static_cast<long long>(s) * B + b) * H + u;
-    ys[o] = T::from_f(0.0f);
-    if constexpr (kCell == Cell::kLstm) cs[o] = T::from_f(0.0f);
+    ys[ps.o] = T::from_f(hnew);
+  } else if (b < p.B) {  // padding position (padding columns b >= B write nothing)
+    ys[ps.o] = T::from_f(0.0f);
+    if constexpr (kCell == Cell::kLstm) cs[ps.o] = T::from_f(0.0f);
   }
   return hnew;
 }
@@ -876,7 +888,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, cmask);
 
   const int npairs = nu * BT;
-  const bool two_rows_per_warp = p.row_lanes == 16 || (p.row_lanes == 0 && nu * G > (nthr >> 5));
+  // Half a warp per row where that turns two passes over the rows into one (step probe,
+  // us/step whole vs half: LSTM H=1024 2.71 -> 2.54, ReLU H=2304 30% 3.77 -> 3.63); with more
+  // rows (ReLU H=5760: 6.71 -> 7.29, LSTM H=4096: 11.75 -> 12.06) or fewer, whole warps.
+  const bool two_rows_per_warp =
+      p.row_lanes == 16 ||
+      (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -885,14 +902,16 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * H) * BT;
       const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
 
-      // Prefetch the input projection of this thread's first (unit, b) pair: the loads are in
-      // flight while the block waits for h.
+      // This thread's first (unit, b) pair: its step, publish offset and input projection
+      // (the loads in flight while the block waits for h), ready for the update.
       S xr[G] = {};
-      if (tid < npairs) {  // the input projection of this thread's first pair, in flight while
-                           // the block waits for h
-        const int b = j * BT + tid % BT;
-        const int len = len_s[b];
-        if (s < len) load_x_pair<D, G>(p, s, len, b, u0 + tid / BT, xr);
+      PairStep ps0{};
+      long long xo0 = 0;
+      if (tid < npairs) {
+        const int b = j * BT + tid % BT, u = u0 + tid / BT;
+        ps0 = pair_step(p, s, len_s[b], b, u);
+        xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
+        if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
       }
 
       // 1. h_{s-1} of this tile into shared memory.
@@ -1001,9 +1020,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       if (__syncthreads_or(aborted)) return;
       SPRNN_PROBE_STAMP(s, 1);
 
-      // 2. Rows (compute_rows above): half a warp per row where the block has more rows than
-      // warps (e.g. LSTM H=1024: 31 rows, 16 warps run in one pass instead of two; step probe
-      // 3.01 -> 2.64 us/step), a whole warp otherwise.
+      // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
           compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
@@ -1017,12 +1034,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       for (int pi = tid; pi < npairs; pi += nthr) {
         const int ul = pi / BT, bt = pi % BT;
         const int b = j * BT + bt;
+        const bool first = pi == tid;
         float hw[G];
         row_sums<G, BT>(acc_s, ul, bt, hw);
-        const float hnew = update_pair<kCell, D>(p, s, u0 + ul, b, len_s[b], ul * bpad + b,
-                                                 pi == tid, xr, hw, hst, cst);
+        const float hnew =
+            update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
+                                  b, ul * bpad + b, first, xr, hw, hst, cst);
         // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
-        const long long xo = tile_off + static_cast<long long>(u0 + ul) * BT + bt;
+        const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
           st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
         } else if constexpr (sizeof(S) == 4) {
