@@ -63,15 +63,17 @@ if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
 if [ "$MODE" = verify ]; then
-  # The whole GPU kernel test file in two concurrent processes (their time is mostly JAX
+  # The whole GPU kernel test file in three concurrent processes (their time is mostly JAX
   # compiling on the host), then the targets table.
   REPO="$(pwd)"
-  (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
-     -k "test_kernel_matches_oracle" > "$OUT/test_gpu_a.log" 2>&1) &
-  (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
-     -k "not test_kernel_matches_oracle" > "$OUT/test_gpu_b.log" 2>&1) &
+  parts=("test_kernel_matches_oracle" "test_two_rows or test_cluster"
+         "not (test_kernel_matches_oracle or test_two_rows or test_cluster)")
+  for i in 0 1 2; do
+    (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+       -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &
+  done
   wait
-  tail -4 "$OUT/test_gpu_a.log" "$OUT/test_gpu_b.log"
+  tail -4 "$OUT"/test_gpu_[012].log
   timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then

@@ -183,6 +183,21 @@ def test_forced_tiles_and_column_filter(dtype, monkeypatch):
     check("gru", dtype, (6, 17, 1152, 0.1, "uniform"), 3, 4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_two_rows_per_warp(cell, dtype, monkeypatch):
+    # Half a warp per row (kernel_core.cuh compute_rows). By default only where it saves a pass
+    # over the rows (LSTM H=1024: 31 rows per block, 16 warps); SPRNN_CUDA_ROW_LANES=16 forces
+    # it on every shape, incl. a row left without a partner and the 16-wide tiles (two lanes
+    # per nonzero).
+    check(cell, dtype, (6, 4, 1024, 0.1, "skewed"), 3, 0)
+    monkeypatch.setenv("SPRNN_CUDA_ROW_LANES", "16")
+    for n, shape in enumerate(SHAPES):
+        check(cell, dtype, shape, 3, n)
+    monkeypatch.setenv("SPRNN_CUDA_BT", "16")
+    check(cell, dtype, (5, 20, 300, 0.2, "skewed"), 3, 1)
+
+
 @pytest.mark.parametrize("cell", CELLS)
 def test_block_local_weights_long_sequence(cell):
     # A banded matrix: a block's rows read only its own and neighbouring units, so with the
