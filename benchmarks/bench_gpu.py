@@ -255,11 +255,12 @@ def main():
 
     if args.tune:
         lines += ["## Run-time knobs (us/step)", ""]
-        knobs = [{}, {"SPRNN_CUDA_SYNC_CHECK": "0"}, {"SPRNN_CUDA_SPIN_NS": "50"},
-                 {"SPRNN_CUDA_SPIN_NS": "200"}, {"SPRNN_CUDA_THREADS": "512"},
-                 {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BT": "1"}, {"SPRNN_CUDA_BT": "2"},
-                 {"SPRNN_CUDA_BT": "4"}]
-        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("rnn", "relu", 5760, 0.1),
+        knobs = [{}, {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_ROW_LANES": "32"},
+                 {"SPRNN_CUDA_THREADS": "384"}, {"SPRNN_CUDA_THREADS": "512"},
+                 {"SPRNN_CUDA_SPIN_NS": "50"}, {"SPRNN_CUDA_BLOCKS": "66"},
+                 {"SPRNN_CUDA_BT": "2"}]
+        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("rnn", "relu", 2304, 0.3),
+                                ("rnn", "relu", 5760, 0.1), ("lstm", None, 1024, 0.1),
                                 ("lstm", None, 4096, 0.1)]:
             f, xp, c0 = kernel_call(cell, act, H, 4, T, d, jnp.float16)
             row = dict(cell=cell, H=H, density=d)

@@ -2,10 +2,12 @@
 # One GPU run: build, then the whole test suite, the benchmark (+ ncu bank-conflict counts) or
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
-#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|all]     (default all)
+#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
+#                            probe-profile|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
-# verify: the GPU kernel tests (two processes), then bench_gpu.py $BENCH_ARGS (--targets).
+# verify: the GPU kernel tests (three processes), then bench_gpu.py $BENCH_ARGS (--targets).
+# timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS.
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
@@ -85,6 +87,9 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
   else  # the whole suite once (it includes the GPU kernel tests)
     (cd /tmp && timeout 520 $PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1) | tee "$OUT/test_all.log" | tail -25
   fi
+fi
+if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -40
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
   REPO="$(pwd)"
