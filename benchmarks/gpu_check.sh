@@ -6,7 +6,8 @@
 #                            probe-profile|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
-# verify: the GPU kernel tests (three processes), then bench_gpu.py $BENCH_ARGS (--targets).
+# verify: the GPU kernel tests (six processes), then bench_gpu.py $BENCH_ARGS (--targets;
+#   none = tests only).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS.
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
@@ -65,27 +66,20 @@ if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
 if [ "$MODE" = verify ]; then
-  # The whole GPU kernel test file in three concurrent processes (their time is mostly JAX
-  # compiling on the host), then the targets table.
+  # The whole GPU kernel test file in six concurrent processes (their time is mostly JAX
+  # compiling on the host), then the targets table (BENCH_ARGS=none: tests only).
   REPO="$(pwd)"
-  parts=("test_kernel_matches_oracle" "test_two_rows or test_cluster"
+  parts=("test_kernel_matches_oracle and rnn" "test_kernel_matches_oracle and lstm"
+         "test_kernel_matches_oracle and gru" "test_two_rows" "test_cluster"
          "not (test_kernel_matches_oracle or test_two_rows or test_cluster)")
-  for i in 0 1 2; do
-    (cd /tmp && timeout 420 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
-       -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &
+  for i in "${!parts[@]}"; do
+    (cd /tmp && timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider \
+       "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &
   done
   wait
-  tail -4 "$OUT"/test_gpu_[012].log
-  timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
-fi
-if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
-  # Run pytest from outside the checkout so that the installed package (with its compiled
-  # extensions) is imported, not the source tree.
-  REPO="$(pwd)"
-  if [ "$MODE" = quick ]; then
-    (cd /tmp && timeout 400 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" 2>&1) | tee "$OUT/test_gpu.log" | tail -25
-  else  # the whole suite once (it includes the GPU kernel tests)
-    (cd /tmp && timeout 520 $PY -m pytest -q -p no:cacheprovider "$REPO/tests" 2>&1) | tee "$OUT/test_all.log" | tail -25
+  tail -n 2 "$OUT"/test_gpu_*.log
+  if [ "${BENCH_ARGS:-}" != none ]; then
+    timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
   fi
 fi
 if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)

@@ -539,6 +539,9 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #define SPRNN_ROW_DEPTH 4
 #endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH;
+#ifndef SPRNN_ROW_TRANSPOSE  // 1 = compute_rows' transposing reduction (probe A/B)
+#define SPRNN_ROW_TRANSPOSE 1
+#endif
 #ifndef SPRNN_ROW_TAIL_BATCH  // 1 = row_dot's last batch predicated (probe A/B, see row_dot)
 #define SPRNN_ROW_TAIL_BATCH 1
 #endif
@@ -558,10 +561,9 @@ struct RowMap {
 // memory at kb0 + k) with the h tile h_s. Slice `sl` of the group (kLPN lanes; the group's
 // kNS = kGroup / kLPN slices stride the row) takes nonzeros
 // k0 + sl, k0 + sl + kNS, ...; each lane accumulates its kNV batch columns [b0, b0 + kNV) in
-// float32, then shuffles within the group sum the slices: afterwards every lane holds the row's
-// sums for its columns (with kLPN = 1, all BT of them). Every lane of the warp must call it
-// (the shuffles); a group without a row passes k0 = k1 = 0. With kLPN = 1 and whole warps a
-// row's k-th nonzero goes to lane k % 32, which is what the bank-aware packing order assumes.
+// float32: acc holds this lane's partial sums (compute_rows sums the slices). A group without a
+// row passes k0 = k1 = 0. With kLPN = 1 and whole warps a row's k-th nonzero goes to lane
+// k % 32, which is what the bank-aware packing order assumes.
 template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W* w_s,
                                         long long kb0, long long n_in,
@@ -627,11 +629,44 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
       for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
     }
   }
+}
+
+// The sums over a group's slices (lanes g, g + kLPN, ...) of each lane's kNV partial sums:
+// afterwards every lane holds the sums of its columns. Every lane of the warp calls it.
+template <int kNV, int kGroup, int kLPN>
+__device__ __forceinline__ void sum_slices(float (&acc)[kNV]) {
 #pragma unroll
   for (int off = kGroup / 2; off >= kLPN; off >>= 1) {
 #pragma unroll
     for (int i = 0; i < kNV; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
   }
+}
+
+// The same for kLPN = 1, transposing as it sums: at each of the first log2(kNV) levels a lane
+// keeps half of its values (the upper half where the level's lane bit is set) and receives its
+// partner's sums of that half, so the levels move kNV / 2, kNV / 4, ..., 1 values instead of
+// kNV each (BT=4 fp16: 6 shuffles instead of 20; all the warps of a block reduce at the same
+// time and share one shuffle unit). Returns the lane's sum, of column `col`; lanes
+// g % (kGroup / kNV) == 0 hold each column once.
+template <int kNV, int kGroup>
+__device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int lane, int& col) {
+  static_assert(kNV >= 2 && kNV <= kGroup, "one column per lane subgroup");
+  int c = 0, off = kGroup / 2;
+#pragma unroll
+  for (int m = kNV; m > 1; m >>= 1, off >>= 1) {
+    const bool upper = (lane & off) != 0;
+#pragma unroll
+    for (int i = 0; i < m / 2; ++i) {
+      const float send = upper ? acc[i] : acc[i + m / 2];
+      const float keep = upper ? acc[i + m / 2] : acc[i];
+      acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+    c = 2 * c + (upper ? 1 : 0);
+  }
+#pragma unroll
+  for (; off >= 1; off >>= 1) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], off);
+  col = c;
+  return acc[0];
 }
 
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
@@ -653,9 +688,16 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     float acc[M::kNV];
     row_dot<D, BT, kWide, kGroup>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
                                   has_row ? rows_s[r + 1] : 0, acc);
-    if (has_row && g < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
+    if constexpr (SPRNN_ROW_TRANSPOSE && M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
+      int col;
+      const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
+      if (has_row && g % (kGroup / M::kNV) == 0) acc_s[r * BT + col] = sum;
+    } else {
+      sum_slices<M::kNV, kGroup, M::kLPN>(acc);
+      if (has_row && g < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
 #pragma unroll
-      for (int i = 0; i < M::kNV; ++i) acc_s[r * BT + g * M::kNV + i] = acc[i];
+        for (int i = 0; i < M::kNV; ++i) acc_s[r * BT + g * M::kNV + i] = acc[i];
+      }
     }
   }
 }
