@@ -17,6 +17,7 @@ Writes results.json, results.md and sweeps.png under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -40,8 +41,9 @@ GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 
 def timeit(f, *args, reps=REPS, warm_s=0.3):
     jax.block_until_ready(f(*args))
-    # Keep the GPU busy for warm_s first: after a compile the clocks have dropped, and the
-    # first calls ran up to 15% slow (same kernel timed twice in one run: 3.02 vs 2.60 us/step).
+    # Keep the GPU busy for warm_s first, so that the clocks have ramped up after a compile.
+    # (It did not remove the ~10% spread between timings of one kernel in one run;
+    # benchmarks/NOTES.md, session 5.)
     t_end = time.perf_counter() + warm_s
     while time.perf_counter() < t_end:
         jax.block_until_ready(f(*args))
@@ -197,16 +199,22 @@ def fmt(x):
     return "—" if x is None else f"{x:.2f}"
 
 
+@contextlib.contextmanager
+def knobs_set(kn):
+    """Run-time knobs (environment variables the CUDA handler reads at each call) while inside."""
+    os.environ.update(kn)
+    try:
+        yield
+    finally:
+        for k in kn:
+            os.environ.pop(k, None)
+
+
 def time_knobs(f, xp, c0, knobs, row, T):
-    """us/step of f under each set of run-time knobs (environment variables the CUDA handler
-    reads at each call), into row[json of the knobs]."""
+    """us/step of f under each set of run-time knobs, into row[json of the knobs]."""
     for kn in knobs:
-        os.environ.update(kn)
-        try:
+        with knobs_set(kn):
             row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
-        finally:
-            for k in kn:
-                os.environ.pop(k, None)
 
 
 def main():
@@ -311,17 +319,13 @@ def main():
                     for n in ("8", "4")]
         configs += [("lstm", None, 1024, 0.1, jnp.float16, 4, 2.0, {"SPRNN_CUDA_CLUSTER": "8"})]
         for cell, act, H, d, dt, B, tgt, kn in configs:
-            os.environ.update(kn)
-            try:
+            with knobs_set(kn):
                 nnz = int(round(d * H * GATES[cell] * H))
                 pl = cuda_lowering.plan(cell, dt, H, B, nnz, variant=5)
                 if not pl["cluster"]:  # too large for one cluster: variant 5 would run 3
                     print(json.dumps(dict(cell=cell, H=H, density=d, B=B, skipped=pl["reason"])))
                     continue
                 r = bench_config(cell, act, H, B, T, d, dt, peers=False, variants=(3, 5))
-            finally:
-                for k in kn:
-                    os.environ.pop(k, None)
             r.update(target=tgt, knob=kn, plan5={k: pl[k] for k in (
                 "variant", "cluster", "batch_tile", "tiles", "blocks", "threads", "reason")})
             res["cluster"].append(r)

@@ -232,9 +232,7 @@ __global__ void __launch_bounds__(max_threads_of_tile(BT), 1) cluster_fwd(Params
     }
     sh_u[0] = u0;
     sh_u[1] = u1;
-    int lmax = 0;
-    for (int b = b_lo; b < b_hi; ++b) lmax = seq_len(p, b) > lmax ? seq_len(p, b) : lmax;
-    sh_lmax = lmax;
+    sh_lmax = max_seq_len(p, b_lo, b_hi);
     int lanes = row_lanes_for(u1 > u0 ? n / ((u1 - u0) * G) : 0, BT);
     if (p.row_lanes > 0) {  // knob: the largest power of two <= row_lanes
       lanes = 1;

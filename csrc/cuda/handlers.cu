@@ -115,6 +115,16 @@ const char* shape_limit(int dtype, long long H, long long B) {
   return nullptr;
 }
 
+// How the layer's units split over `parts` blocks (the kernels' unit_range): alpha, the largest
+// unit count of a block (u_cap) and the nonzeros one block must be able to hold (the average
+// plus one unit's average, the partition granularity).
+void partition_units(long long H, long long nnz, int parts, Plan& pl) {
+  pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
+  const long long total = nnz + static_cast<long long>(pl.alpha) * H;
+  pl.u_cap = static_cast<int>(std::min<long long>(H, (total / parts + 1) / pl.alpha + 2));
+  pl.w_need = (nnz + parts - 1) / parts + (nnz + H - 1) / H;
+}
+
 // The grid-wide plan (variants 0-4: persistent_fwd or the per-step fallback).
 Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
                     const DeviceInfo& dev) {
@@ -137,15 +147,11 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   }
   pl.nb = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_BLOCKS", dev.sms), 1, dev.sms));
   pl.threads = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_THREADS", kPersistentThreads), 64, kPersistentThreads)) / 32 * 32;
-  pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
-  const long long total = nnz + static_cast<long long>(pl.alpha) * H;
-  pl.u_cap = static_cast<int>(std::min<long long>(H, (total / pl.nb + 1) / pl.alpha + 2));
-  // Words one block's weight region must hold: the average nonzeros plus one unit's average
-  // (partition granularity), plus the row offsets of an average block (4 bytes per row, at the
-  // start of the region; kernel_core.cuh).
+  partition_units(H, nnz, pl.nb, pl);
+  // The weight region also holds the row offsets of the block's rows (4 bytes per row, at its
+  // start; kernel_core.cuh): those of an average block.
   const long long avg_rows = (gates * H + pl.nb - 1) / pl.nb + 1;
-  pl.w_need = (nnz + pl.nb - 1) / pl.nb + (nnz + H - 1) / H +
-              (align16(avg_rows * 4) + w_bytes_of(dtype) - 1) / w_bytes_of(dtype);
+  pl.w_need += (align16(avg_rows * 4) + w_bytes_of(dtype) - 1) / w_bytes_of(dtype);
   const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
   const bool lstm = gates == 4;
 
@@ -249,10 +255,7 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
     return pl;
   }
   pl.cluster = csize;
-  pl.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
-  const long long total = nnz + static_cast<long long>(pl.alpha) * H;
-  pl.u_cap = static_cast<int>(std::min<long long>(H, (total / csize + 1) / pl.alpha + 2));
-  pl.w_need = (nnz + csize - 1) / csize + (nnz + H - 1) / H;
+  partition_units(H, nnz, csize, pl);
   const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
   const bool lstm = gates == 4;
   // Tiles largest first from the smallest that holds the batch (as make_grid_plan, up to 16):

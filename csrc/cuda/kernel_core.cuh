@@ -471,6 +471,16 @@ __device__ __forceinline__ int seq_len(const Params& p, int b) {
   return len < 0 ? 0 : (len > p.T ? p.T : len);
 }
 
+// The longest clamped length of sequences [b_lo, b_hi): the steps a block runs.
+__device__ __forceinline__ int max_seq_len(const Params& p, int b_lo, int b_hi) {
+  int lmax = 0;
+  for (int b = b_lo; b < b_hi; ++b) {
+    const int len = seq_len(p, b);
+    lmax = len > lmax ? len : lmax;
+  }
+  return lmax;
+}
+
 // The block's per-step constants into shared memory: len_s[i] = seq_len(b_lo + i) for i < n,
 // rows_s[i] = row_ptr[r0 + i] - base for i <= nrows.
 __device__ __forceinline__ void load_step_constants(const Params& p, int b_lo, int n, int* len_s,
@@ -851,7 +861,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int nb = gridDim.x;
-  const int H = p.H, B = p.B, nT = p.T;
+  const int H = p.H, B = p.B;
   const int bpad = p.ntiles * BT;
 
   __shared__ int sh_u[2];
@@ -861,13 +871,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     unit_range(p, G, blockIdx.x, nb, u0, u1);
     sh_u[0] = u0;
     sh_u[1] = u1;
-    int lmax = 0;
-    for (int b = 0; b < B; ++b) {
-      int l = __ldg(p.lengths + b);
-      l = l < 0 ? 0 : (l > nT ? nT : l);
-      lmax = l > lmax ? l : lmax;
-    }
-    sh_lmax = lmax;
+    sh_lmax = max_seq_len(p, 0, B);
   }
   __syncthreads();
   const int u0 = sh_u[0];
@@ -1120,14 +1124,13 @@ __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   constexpr int G = gates_of(kCell);
   const int lane = threadIdx.x & 31;
   const long long wid = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
-  const int H = p.H, B = p.B, T_ = p.T;
+  const int H = p.H, B = p.B;
   if (wid >= static_cast<long long>(H) * B) return;
   const int u = static_cast<int>(wid % H);
   const int b = static_cast<int>(wid / H);
   const float* hin = hbuf + (s & 1) * static_cast<long long>(B) * H;
   float* hout = hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
-  int len = __ldg(p.lengths + b);
-  len = len < 0 ? 0 : (len > T_ ? T_ : len);
+  const int len = seq_len(p, b);
   const long long bi = static_cast<long long>(b) * H + u;
   const float hprev = hin[bi];
   if (s >= len) {
