@@ -719,10 +719,24 @@ struct FastCellMath {
     return __fdividef(1.0f, 1.0f + __expf(-x));  // 0 once exp(-x) > 2^126
   }
 };
+// float32: CUDA's accurate expf / tanhf, and a sigmoid without the division's slow-path call
+// (nvcc compiles 1.0f / y to MUFU.RCP plus a branch to a subroutine for denormal or huge y,
+// which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30,
+// so the approximate reciprocal plus one Newton step is within about 1 ulp and never needs it.
+struct AccurateCellMath {
+  static __device__ __forceinline__ float exp(float x) { return expf(x); }
+  static __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+  static __device__ __forceinline__ float sigmoid(float x) {
+    const float y = fminf(1.0f + expf(-x), 1e30f);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    return fmaf(r, fmaf(-y, r, 1.0f), r);
+  }
+};
 template <DType D>
 struct CellMathOf { using type = FastCellMath; };
 template <>
-struct CellMathOf<DType::kF32> { using type = LibmMath; };
+struct CellMathOf<DType::kF32> { using type = AccurateCellMath; };
 template <DType D>
 using CellMath = typename CellMathOf<D>::type;
 
