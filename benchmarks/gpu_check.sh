@@ -10,6 +10,7 @@
 #   none = tests only).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS.
+# exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
@@ -37,6 +38,13 @@ if [ "$MODE" = probe ]; then
     nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
       -o "/tmp/step_probe_$name" || exit 1
     timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
+  done
+  exit 0
+fi
+if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange alone
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
+  for cfg in ${EXCHANGE_CONFIGS:-132:128:2000 132:384:2000 66:128:2000}; do  # blocks:threads:steps
+    timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
   done
   exit 0
 fi

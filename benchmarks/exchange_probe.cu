@@ -1,0 +1,180 @@
+// Exchange probe: the latency of the grid-wide h exchange alone, without the RNN, to tell how
+// much of a small layer's ~0.8 us gather (step_probe.cu) is the L2 itself. Standalone, like
+// step_probe.cu; written in session 5, not yet run on a GPU.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/exchange_probe.cu -o exchange_probe
+//   ./exchange_probe [blocks] [threads] [steps]
+//
+// 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
+//    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
+//    200 times; prints the median round trip per partner with both SM ids. Two clusters of
+//    values would be the near and far halves of the L2.
+// 2. All-to-all steps: every block publishes one tagged word per step and waits until it has
+//    seen every block's word of that step (its threads poll the words side by side), then a
+//    block barrier, `steps` times; prints us/step: the floor of the kernel's gather phase.
+// Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+constexpr int kRounds = 200;
+constexpr long long kMaxSpins = 1ll << 24;
+
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+// Spins until *p == want; false after kMaxSpins polls (and raises *abort).
+__device__ bool wait_for(const unsigned* p, unsigned want, int* abort) {
+  for (long long i = 0; i < kMaxSpins; ++i) {
+    if (ld_relaxed(p) == want) return true;
+    if ((i & 1023) == 0 && ld_relaxed(reinterpret_cast<const unsigned*>(abort)) != 0) return false;
+  }
+  atomicExch(abort, 1);
+  return false;
+}
+
+// words: [0, nb) ping flags, [nb, 2 nb) pong flags; rtt[k]: median round trip with block k.
+__global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* rtt, int* abort) {
+  const int nb = gridDim.x, b = blockIdx.x;
+  if (threadIdx.x != 0) return;
+  sm_of[b] = smid();
+  unsigned* ping = words;
+  unsigned* pong = words + nb;
+  if (b == 0) {
+    unsigned long long t[kRounds];
+    for (int k = 1; k < nb; ++k) {
+      for (int r = 0; r < kRounds; ++r) {
+        const unsigned tag = static_cast<unsigned>(r + 1);
+        const unsigned long long t0 = global_ns();
+        st_relaxed(ping + k, tag);
+        if (!wait_for(pong + k, tag, abort)) return;
+        t[r] = global_ns() - t0;
+      }
+      // median by partial selection sort (kRounds is small)
+      for (int i = 0; i <= kRounds / 2; ++i)
+        for (int j = i + 1; j < kRounds; ++j)
+          if (t[j] < t[i]) { const unsigned long long x = t[i]; t[i] = t[j]; t[j] = x; }
+      rtt[k] = t[kRounds / 2];
+    }
+  } else {
+    for (int r = 0; r < kRounds; ++r) {
+      const unsigned tag = static_cast<unsigned>(r + 1);
+      if (!wait_for(ping + b, tag, abort)) return;
+      st_relaxed(pong + b, tag);
+    }
+  }
+}
+
+// words: two slots of nb tagged words (step s writes slot s % 2 with tag s + 1).
+__global__ void all_to_all(unsigned* words, int steps, unsigned long long* ns, int* abort) {
+  const int nb = gridDim.x, b = blockIdx.x;
+  const unsigned long long t0 = global_ns();
+  for (int s = 0; s < steps; ++s) {
+    unsigned* slot = words + (s & 1) * nb;
+    if (threadIdx.x == 0) st_relaxed(slot + b, static_cast<unsigned>(s + 1));
+    bool ok = true;
+    for (int k = threadIdx.x; k < nb && ok; k += blockDim.x)
+      ok = wait_for(slot + k, static_cast<unsigned>(s + 1), abort);
+    if (__syncthreads_or(!ok)) return;
+  }
+  if (threadIdx.x == 0) ns[b] = global_ns() - t0;
+}
+
+int main(int argc, char** argv) {
+  int dev = 0, sms = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int nb = argc > 1 ? std::atoi(argv[1]) : sms;
+  const int threads = argc > 2 ? std::atoi(argv[2]) : 128;
+  const int steps = argc > 3 ? std::atoi(argv[3]) : 2000;
+  if (nb < 2 || nb > sms || threads < 32 || threads > 1024 || steps < 1) {
+    std::fprintf(stderr, "usage: exchange_probe [blocks 2..%d] [threads 32..1024] [steps]\n", sms);
+    return 2;
+  }
+  unsigned *words, *sm_of;
+  unsigned long long *rtt, *ns;
+  int* abort;
+  CHECK(cudaMalloc(&words, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&sm_of, nb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&rtt, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&abort, sizeof(int)));
+
+  // 1. ping-pong (one warp per block; cooperative launch: every block co-resident)
+  CHECK(cudaMemset(words, 0, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMemset(rtt, 0, nb * sizeof(unsigned long long)));
+  CHECK(cudaMemset(abort, 0, sizeof(int)));
+  {
+    void* args[] = {&words, &sm_of, &rtt, &abort};
+    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(ping_pong), dim3(nb), dim3(32),
+                                      args, 0, nullptr));
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  int flag = 0;
+  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned> sm(nb);
+  std::vector<unsigned long long> r(nb);
+  CHECK(cudaMemcpy(sm.data(), sm_of, nb * sizeof(unsigned), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(r.data(), rtt, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  if (flag) {
+    std::printf("ping-pong: TIMEOUT\n");
+  } else {
+    std::vector<unsigned long long> v(r.begin() + 1, r.end());
+    std::sort(v.begin(), v.end());
+    std::printf("ping-pong round trip ns (block 0 on SM %u, %d partners): min %llu p25 %llu "
+                "median %llu p75 %llu max %llu\n", sm[0], nb - 1, v.front(), v[v.size() / 4],
+                v[v.size() / 2], v[3 * v.size() / 4], v.back());
+    for (int k = 1; k < nb; ++k) std::printf("  partner block %3d SM %3u: %llu ns\n", k, sm[k], r[k]);
+  }
+
+  // 2. all-to-all steps
+  CHECK(cudaMemset(words, 0, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMemset(abort, 0, sizeof(int)));
+  {
+    int st = steps;
+    void* args[] = {&words, &st, &ns, &abort};
+    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(all_to_all), dim3(nb),
+                                      dim3(threads), args, 0, nullptr));
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned long long> t(nb);
+  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  if (flag) {
+    std::printf("all-to-all: TIMEOUT\n");
+  } else {
+    const unsigned long long worst = *std::max_element(t.begin(), t.end());
+    std::printf("all-to-all: %d blocks x %d threads, %d steps: %.3f us/step\n", nb, threads, steps,
+                worst / 1000.0 / steps);
+  }
+  return 0;
+}
