@@ -3,15 +3,18 @@
 // step_probe.cu; written in session 5, not yet run on a GPU.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/exchange_probe.cu -o exchange_probe
-//   ./exchange_probe [blocks] [threads] [steps]
+//   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
 //    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
 //    200 times; prints the median round trip per partner with both SM ids. Two clusters of
 //    values would be the near and far halves of the L2.
-// 2. All-to-all steps: every block publishes one tagged word per step and waits until it has
-//    seen every block's word of that step (its threads poll the words side by side), then a
-//    block barrier, `steps` times; prints us/step: the floor of the kernel's gather phase.
+// 2. All-to-all steps: every block publishes wpb tagged words per step and waits until it has
+//    seen every block's words of that step (its threads poll them side by side, 16-byte loads),
+//    then a block barrier, `steps` times; prints us/step: the floor of the kernel's gather
+//    phase. ReLU H=1152 at B=4 fp16 reads 18 KB per block and step: 132 blocks x 36 words. With
+//    `flagged` 1 the words are raw and each block raises one release flag after them (half the
+//    bytes of 16-bit data, one more L2 round trip).
 // Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
 #include <cuda_runtime.h>
 
@@ -92,19 +95,71 @@ __global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* 
   }
 }
 
-// words: two slots of nb tagged words (step s writes slot s % 2 with tag s + 1).
-__global__ void all_to_all(unsigned* words, int steps, unsigned long long* ns, int* abort) {
-  const int nb = gridDim.x, b = blockIdx.x;
+// All-to-all steps with a payload of wpb 32-bit words per block (wpb % 4 == 0), two slots.
+// Tagged (flagged == 0): every word carries the step's tag in its high half (the kernel's 16-bit
+// Lamport words); each reader polls all nb * wpb words with 16-byte loads, up to 8 in flight per
+// thread, re-polling only the pending ones. Flagged: raw words, then one release flag per block;
+// a reader's threads poll the nb flags (acquire), barrier, then read the words once. Both end
+// with a block barrier, like the kernel's gather.
+__global__ void all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged,
+                           unsigned long long* ns, int* abort) {
+  const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
+  const int nitems = nb * wpb / 4;
+  unsigned sink = 0;
   const unsigned long long t0 = global_ns();
   for (int s = 0; s < steps; ++s) {
-    unsigned* slot = words + (s & 1) * nb;
-    if (threadIdx.x == 0) st_relaxed(slot + b, static_cast<unsigned>(s + 1));
+    const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
+    unsigned* slot = words + static_cast<long long>(s & 1) * nb * wpb;
+    for (int i = tid; i < wpb; i += nthr)
+      st_relaxed(slot + b * wpb + i, flagged ? static_cast<unsigned>(i) : (tag << 16) | i);
     bool ok = true;
-    for (int k = threadIdx.x; k < nb && ok; k += blockDim.x)
-      ok = wait_for(slot + k, static_cast<unsigned>(s + 1), abort);
+    if (flagged) {
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + (s & 1) * nb + b), "r"(tag) : "memory");
+      }
+      for (int k = tid; k < nb && ok; k += nthr) {
+        long long i = 0;
+        unsigned v;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + (s & 1) * nb + k) : "memory");
+        } while (v != tag && ++i < kMaxSpins);
+        if (v != tag) { atomicExch(abort, 1); ok = false; }
+      }
+      if (__syncthreads_or(!ok)) return;
+      for (int it = tid; it < nitems; it += nthr) {
+        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(slot) + it);
+        sink += w.x ^ w.y ^ w.z ^ w.w;
+      }
+    } else {
+      for (int ib = tid; ib < nitems && ok; ib += nthr * 8) {
+        unsigned pending = 0;
+        for (int i = 0; i < 8; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
+        long long spins = 0;
+        while (pending) {
+          uint4 w[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if ((pending >> i) & 1u)
+              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                           : "=r"(w[i].x), "=r"(w[i].y), "=r"(w[i].z), "=r"(w[i].w)
+                           : "l"(reinterpret_cast<const uint4*>(slot) + ib + i * nthr) : "memory");
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (((pending >> i) & 1u) && (w[i].x >> 16) == tag && (w[i].y >> 16) == tag &&
+                (w[i].z >> 16) == tag && (w[i].w >> 16) == tag) {
+              sink += w[i].x ^ w[i].w;
+              pending &= ~(1u << i);
+            }
+          if (pending && ++spins >= kMaxSpins) { atomicExch(abort, 1); ok = false; break; }
+        }
+      }
+    }
     if (__syncthreads_or(!ok)) return;
   }
-  if (threadIdx.x == 0) ns[b] = global_ns() - t0;
+  if (tid == 0) ns[b] = global_ns() - t0;
+  if (sink == 0xdeadbeef) abort[1] = 1;  // keeps the reads alive
 }
 
 int main(int argc, char** argv) {
@@ -114,18 +169,24 @@ int main(int argc, char** argv) {
   const int nb = argc > 1 ? std::atoi(argv[1]) : sms;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 128;
   const int steps = argc > 3 ? std::atoi(argv[3]) : 2000;
-  if (nb < 2 || nb > sms || threads < 32 || threads > 1024 || steps < 1) {
-    std::fprintf(stderr, "usage: exchange_probe [blocks 2..%d] [threads 32..1024] [steps]\n", sms);
+  const int wpb = argc > 4 ? std::atoi(argv[4]) : 4;
+  const int flagged = argc > 5 ? std::atoi(argv[5]) : 0;
+  if (nb < 2 || nb > sms || threads < 32 || threads > 1024 || steps < 1 || wpb < 4 || wpb % 4) {
+    std::fprintf(stderr,
+                 "usage: exchange_probe [blocks 2..%d] [threads 32..1024] [steps] [words per block, "
+                 "multiple of 4] [flagged 0/1]\n", sms);
     return 2;
   }
-  unsigned *words, *sm_of;
+  unsigned *words, *flags, *sm_of;
   unsigned long long *rtt, *ns;
   int* abort;
-  CHECK(cudaMalloc(&words, 2 * nb * sizeof(unsigned)));
+  const size_t nwords = 2 * static_cast<size_t>(nb) * wpb;  // ping-pong uses the first 2 nb
+  CHECK(cudaMalloc(&words, nwords * sizeof(unsigned)));
+  CHECK(cudaMalloc(&flags, 2 * nb * sizeof(unsigned)));
   CHECK(cudaMalloc(&sm_of, nb * sizeof(unsigned)));
   CHECK(cudaMalloc(&rtt, nb * sizeof(unsigned long long)));
   CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
-  CHECK(cudaMalloc(&abort, sizeof(int)));
+  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
 
   // 1. ping-pong (one warp per block; cooperative launch: every block co-resident)
   CHECK(cudaMemset(words, 0, 2 * nb * sizeof(unsigned)));
@@ -156,11 +217,12 @@ int main(int argc, char** argv) {
   }
 
   // 2. all-to-all steps
-  CHECK(cudaMemset(words, 0, 2 * nb * sizeof(unsigned)));
-  CHECK(cudaMemset(abort, 0, sizeof(int)));
+  CHECK(cudaMemset(words, 0, nwords * sizeof(unsigned)));
+  CHECK(cudaMemset(flags, 0, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
   {
-    int st = steps;
-    void* args[] = {&words, &st, &ns, &abort};
+    int st = steps, w = wpb, f = flagged;
+    void* args[] = {&words, &flags, &st, &w, &f, &ns, &abort};
     CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(all_to_all), dim3(nb),
                                       dim3(threads), args, 0, nullptr));
     CHECK(cudaGetLastError());
@@ -173,8 +235,9 @@ int main(int argc, char** argv) {
     std::printf("all-to-all: TIMEOUT\n");
   } else {
     const unsigned long long worst = *std::max_element(t.begin(), t.end());
-    std::printf("all-to-all: %d blocks x %d threads, %d steps: %.3f us/step\n", nb, threads, steps,
-                worst / 1000.0 / steps);
+    std::printf("all-to-all %s: %d blocks x %d threads, %d words (%d bytes read) per block per step, "
+                "%d steps: %.3f us/step\n", flagged ? "flagged" : "tagged", nb, threads, wpb,
+                nb * wpb * 4, steps, worst / 1000.0 / steps);
   }
   return 0;
 }

@@ -866,7 +866,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // where the h gathers dominate (H * BT words per block and round). For tiles up to 8 its
   // per-item check cost more than the loads it saved (step probe: 2.40 vs 2.01 us/step at
   // ReLU H=1152, B=4).
-  constexpr bool kFilter = BT >= 16;
+#ifndef SPRNN_SMALL_TILE_FILTER  // probe A/B (session 6): the filter for every tile
+#define SPRNN_SMALL_TILE_FILTER 0
+#endif
+  constexpr bool kFilter = BT >= 16 || SPRNN_SMALL_TILE_FILTER;
   static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
 
