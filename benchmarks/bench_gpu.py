@@ -1,7 +1,7 @@
 """Times the sparse persistent kernel against dense JAX peers on the same inputs, in one run.
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
-                                   [--cluster]
+                                   [--batch] [--tune] [--groups] [--cluster]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -226,6 +226,8 @@ def main():
     ap.add_argument("--batch", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time run-time knobs (env) of the kernel")
+    ap.add_argument("--groups", action="store_true",
+                    help="batch groups (SPRNN_CUDA_GROUPS) vs the default plan, B = 8 to 64")
     ap.add_argument("--cluster", action="store_true",
                     help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
     ap.add_argument("--cluster-knobs", action="store_true",
@@ -374,6 +376,21 @@ def main():
         lines += ["", "B=64 knobs (us/step; {} = default: 132 blocks, BT=64, column filter on):", ""]
         lines += [f"- {k}: {v:.2f}" for k, v in row.items() if k.startswith("{")]
         save()
+    if args.groups:
+        # Batch groups (SPRNN_CUDA_GROUPS=n: n tiles of about B / n run at once, each on its own
+        # blocks) against the default plan, per layer and batch.
+        lines += ["", "## Batch groups (us/step; {} = default plan)", ""]
+        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1),
+                                ("rnn", "relu", 2304, 0.3)]:
+            for B in [8, 16, 32, 64]:
+                f, xp, c0 = kernel_call(cell, act, H, B, T, d, jnp.float16)
+                row = dict(cell=cell, H=H, B=B, density=d, sweep="groups")
+                knobs = [{}] + [{"SPRNN_CUDA_GROUPS": str(n)} for n in (2, 4, 8, 16) if n <= B]
+                time_knobs(f, xp, c0, knobs, row, T)
+                print(json.dumps(row), flush=True)
+                res.setdefault("groups", []).append(row)
+                lines.append("- " + json.dumps(row))
+                save()
     if args.sweeps:
         for d in [0.01, 0.05, 0.1, 0.3, 0.5]:
             r = bench_config("rnn", "relu", 1152, 4, T, d, jnp.float16)

@@ -198,6 +198,27 @@ def test_two_rows_per_warp(cell, dtype, monkeypatch):
     check(cell, dtype, (5, 20, 300, 0.2, "skewed"), 3, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_batch_groups(cell, dtype, monkeypatch):
+    # Batch groups (SPRNN_CUDA_GROUPS, Params::groups): every batch tile on its own blocks, all
+    # tiles at once. Ragged lengths (a group can finish early and write its own padding),
+    # reverse, a ragged last tile, tiles of 1 to 16 (16: the column filter), barrier variant.
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    monkeypatch.setenv("SPRNN_CUDA_GROUPS", "4")
+    info = cuda_lowering.plan(cell, jnp.dtype(dtype), 1152, 16, int(0.1 * 1152 * 1152 * 3))
+    assert (info["groups"], info["batch_tile"], info["tiles"]) == (4, 4, 4), info
+    assert info["blocks"] % 4 == 0 and info["on_chip"], info
+    for n, shape in enumerate([(7, 16, 1152, 0.1, "uniform"), (6, 13, 300, 0.2, "skewed"),
+                               (5, 64, 1152, 0.1, "uniform"), (6, 8, 129, 0.0, "uniform"),
+                               (5, 6, 517, 0.3, "empty_rows")]):
+        check(cell, dtype, shape, 3, n)
+    check(cell, dtype, (5, 16, 300, 0.2, "uniform"), 1, 1, bank_period=0)
+    monkeypatch.setenv("SPRNN_CUDA_GROUPS", "64")  # 17 tiles of 1, 7 blocks each
+    check(cell, dtype, (5, 17, 300, 0.2, "skewed"), 3, 1)
+
+
 @pytest.mark.parametrize("cell", CELLS)
 def test_block_local_weights_long_sequence(cell):
     # A banded matrix: a block's rows read only its own and neighbouring units, so with the

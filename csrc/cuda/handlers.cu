@@ -78,6 +78,7 @@ struct Plan {
   int bt = 1, ntiles = 1, nb = 0, threads = kPersistentThreads;
   int alpha = 1, u_cap = 0;
   int cluster = 0;  // > 0: the cluster kernel with clusters of this many CTAs, one per tile
+  int groups = 1;   // > 1: batch groups (Params::groups), nb / groups blocks per tile
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
@@ -125,6 +126,54 @@ void partition_units(long long H, long long nnz, int parts, Plan& pl) {
   pl.w_need = (nnz + parts - 1) / parts + (nnz + H - 1) / H;
 }
 
+// Sizes plan c's shared memory for batch tile bt over ntiles tiles (c.u_cap, c.w_need set):
+// false when the h tile, state and row offsets leave no room for weights.
+bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, long long avail) {
+  const bool lstm = gates == 4;
+  const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap, 0,
+                                    s_bytes_of(dtype), w_bytes_of(dtype));
+  // The weight region must hold the row offsets of the largest possible block.
+  const long long rows_bytes = align16((static_cast<long long>(c.u_cap) * gates + 1) * 4);
+  if (l0.total + rows_bytes > avail) return false;
+  c.bt = bt;
+  c.ntiles = ntiles;
+  c.w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
+  c.on_chip = c.w_cap >= c.w_need;
+  c.smem = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap,
+                       static_cast<int>(c.w_cap), s_bytes_of(dtype), w_bytes_of(dtype)).total;
+  c.persistent = true;
+  return true;
+}
+
+// Splits the units over nb blocks (partition_units), counting each block's row offsets, which
+// the weight region also holds (4 bytes per row, at its start; kernel_core.cuh): those of an
+// average block.
+void partition_blocks(int gates, int dtype, long long H, long long nnz, int nb, Plan& pl) {
+  pl.nb = nb;
+  partition_units(H, nnz, nb, pl);
+  const long long avg_rows = (gates * H + nb - 1) / nb + 1;
+  pl.w_need += (align16(avg_rows * 4) + w_bytes_of(dtype) - 1) / w_bytes_of(dtype);
+}
+
+// Batch groups: `groups` tiles of the batch run at once, each on its own nb / groups blocks that
+// hold the whole layer on chip, instead of all blocks running the tiles in turn (one exchange
+// round per tile and step). False when the layer does not fit on that many blocks.
+bool grouped_plan(const Plan& base, int groups, int gates, int dtype, long long H, long long B,
+                  long long nnz, long long avail, Plan& out) {
+  if (groups < 2 || groups > B || base.nb / groups < 1) return false;
+  int bt = 1;  // the smallest tile that splits the batch into at most `groups` tiles
+  while (bt < 64 && (B + bt - 1) / bt > groups) bt *= 2;
+  const int ntiles = static_cast<int>((B + bt - 1) / bt);
+  if (ntiles < 2 || round_up(B, bt) > exchange_cols(B)) return false;
+  Plan c = base;
+  partition_blocks(gates, dtype, H, nnz, base.nb / ntiles, c);
+  if (!fit_tile(c, bt, ntiles, gates, dtype, H, avail) || !c.on_chip) return false;
+  c.groups = ntiles;
+  c.nb *= ntiles;
+  out = c;
+  return true;
+}
+
 // The grid-wide plan (variants 0-4: persistent_fwd or the per-step fallback).
 Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
                     const DeviceInfo& dev) {
@@ -145,15 +194,11 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     pl.reason = why;
     return pl;
   }
-  pl.nb = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_BLOCKS", dev.sms), 1, dev.sms));
   pl.threads = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_THREADS", kPersistentThreads), 64, kPersistentThreads)) / 32 * 32;
-  partition_units(H, nnz, pl.nb, pl);
-  // The weight region also holds the row offsets of the block's rows (4 bytes per row, at its
-  // start; kernel_core.cuh): those of an average block.
-  const long long avg_rows = (gates * H + pl.nb - 1) / pl.nb + 1;
-  pl.w_need += (align16(avg_rows * 4) + w_bytes_of(dtype) - 1) / w_bytes_of(dtype);
+  partition_blocks(gates, dtype, H, nnz,
+                   static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_BLOCKS", dev.sms), 1, dev.sms)),
+                   pl);
   const long long avail = static_cast<long long>(dev.smem_optin) - 256;  // static smem margin
-  const bool lstm = gates == 4;
 
   // Batch tiles, largest first, starting from the smallest tile that holds the whole batch
   // (B = 5..8 -> 8, 9..16 -> 16, 17..32 -> 32, > 32 -> 64): every tile is one more exchange
@@ -181,23 +226,9 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   Plan best;
   for (int i = 0; i < nc; ++i) {
     const int bt = cands[i];
-    const int ntiles = static_cast<int>((B + bt - 1) / bt);
-    const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm,
-                                      pl.u_cap, 0, s_bytes_of(dtype), w_bytes_of(dtype));
-    // The weight region must hold the row offsets of the largest possible block.
-    const long long rows_bytes = align16((static_cast<long long>(pl.u_cap) * gates + 1) * 4);
-    if (l0.total + rows_bytes > avail) continue;
     Plan c = pl;
-    c.bt = bt;
-    c.ntiles = ntiles;
-    c.w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
-    c.on_chip = c.w_cap >= pl.w_need;
+    if (!fit_tile(c, bt, static_cast<int>((B + bt - 1) / bt), gates, dtype, H, avail)) continue;
     any_on_chip = any_on_chip || c.on_chip;
-    const SmemLayout l = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, pl.u_cap,
-                                     static_cast<int>(c.w_cap), s_bytes_of(dtype),
-                                     w_bytes_of(dtype));
-    c.smem = l.total;
-    c.persistent = true;
     // Largest batch tile that keeps at least 3/4 of the nonzeros on chip: measured on the
     // H200 (benchmarks/NOTES.md), LSTM H=4096 d=10% B=4 runs 9.8 us/step at BT=4 with 7% of
     // its nonzeros streamed from L2, against 15.7 at BT=2 and 27.4 at BT=1 fully on chip,
@@ -216,6 +247,13 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
                 ") do not fit in one block's shared memory";
     return pl;
   }
+  // SPRNN_CUDA_GROUPS=n: batch groups of about B / n columns (grouped_plan), when the layer fits.
+  if (const long long groups = env_int("SPRNN_CUDA_GROUPS", 0); groups > 1 && pl.wide) {
+    Plan g;
+    if (grouped_plan(pl, static_cast<int>(std::min<long long>(groups, B)), gates, dtype, H, B, nnz,
+                     avail, g))
+      best = g;
+  }
   // Threads: a warp per row of the block plus three (the gathers), 8 to 16 warps. Fewer warps
   // make cheaper block barriers (step probe, us/step: ReLU H=1152 9 rows per block 1.92 at
   // 384 threads vs 1.98 at 512; H=256 1.46 at 256 vs 1.53 at 512), more keep the rows of large
@@ -223,7 +261,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // is built for kPersistentThreads (512: 128 registers, kernel_core.cuh); SPRNN_CUDA_THREADS
   // may ask for fewer.
   if (env_int("SPRNN_CUDA_THREADS", 0) == 0) {
-    const long long rows = (gates * H + best.nb - 1) / best.nb;
+    const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
     best.threads = static_cast<int>(32 * std::clamp<long long>(rows + 3, 8, kPersistentThreads / 32));
   }
   best.threads = std::min(best.threads, kPersistentThreads);
@@ -400,6 +438,7 @@ ClusterFit cluster_fit(KernelFn fn, const cudaLaunchConfig_t& cfg, int cluster) 
 // The kernel arguments that come from the plan (the persistent and cluster kernels read them).
 Params with_plan(Params p, const Plan& pl) {
   p.ntiles = pl.ntiles;
+  p.groups = pl.groups;
   p.lamport = pl.lamport ? 1 : 0;
   p.alpha = pl.alpha;
   p.u_cap = pl.u_cap;
@@ -758,6 +797,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["lamport"] = pl.lamport;
   r["batch_tile"] = pl.bt;
   r["tiles"] = pl.ntiles;
+  r["groups"] = pl.groups;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
   r["units_cap"] = pl.u_cap;

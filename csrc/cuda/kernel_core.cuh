@@ -75,6 +75,9 @@ struct Params {
   int row_lanes;          // lanes per row. cluster kernel: 0 = row_lanes_for; persistent_fwd:
                           // 16 = two rows per warp, 32 = one, 0 = two where that saves a
                           // pass over the rows
+  int groups;             // persistent_fwd: > 1 = batch groups, tile j on blocks
+                          // [j * nb / groups, (j + 1) * nb / groups), all tiles at once
+                          // (groups == ntiles); 0 or 1 = every block runs every tile in turn
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -365,9 +368,9 @@ __device__ __forceinline__ void unit_range(const Params& p, int G, int j, int nb
 }
 
 // Sets the bits of the h units a block reads (kernel_core's col_filter): the columns of its
-// nonzeros [kb0, kb1) and the first unit of every non-empty block.
+// nonzeros [kb0, kb1) and the first unit of every non-empty block of its nb-block partition.
 __device__ __forceinline__ void mark_columns(const Params& p, int G, long long kb0, long long kb1,
-                                          uint32_t* cmask) {
+                                          int nb, uint32_t* cmask) {
 #pragma unroll 1
   for (long long k = kb0 + threadIdx.x; k < kb1; k += blockDim.x) {
     const int col = __ldg(p.col_idx + k);
@@ -375,7 +378,6 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
   }
   // Block jb's first unit is partition_unit(t0(jb)) (as in unit_range); for an empty block
   // that is the next block's first unit (or H), which does no harm.
-  const int nb = gridDim.x;
   const long long total = static_cast<long long>(__ldg(p.row_ptr + static_cast<long long>(p.H) * G)) +
                           static_cast<long long>(p.alpha) * p.H;
 #pragma unroll 1
@@ -865,11 +867,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
   // where the h gathers dominate (H * BT words per block and round). For tiles up to 8 its
   // per-item check cost more than the loads it saved (step probe: 2.40 vs 2.01 us/step at
-  // ReLU H=1152, B=4).
-#ifndef SPRNN_SMALL_TILE_FILTER  // probe A/B (session 6): the filter for every tile
-#define SPRNN_SMALL_TILE_FILTER 0
-#endif
-  constexpr bool kFilter = BT >= 16 || SPRNN_SMALL_TILE_FILTER;
+  // ReLU H=1152, B=4; again in session 6: 2.25 vs 1.82).
+  constexpr bool kFilter = BT >= 16;
   static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
 
@@ -877,18 +876,25 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   SPRNN_PROBE_INIT;
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
-  const int nb = gridDim.x;
   const int H = p.H, B = p.B;
   const int bpad = p.ntiles * BT;
+  // Batch groups (p.groups > 1, one tile each): this block is block `jb` of the nb blocks that
+  // run tile `grp`; the tiles' exchanges never meet. Otherwise nb = the grid, running every tile.
+  const int groups = p.groups > 1 ? p.groups : 1;
+  const int nb = gridDim.x / groups;
+  const int grp = blockIdx.x / nb, jb = blockIdx.x % nb;
+  if (grp >= groups) return;  // the host launches groups * nb blocks; never read past the plan
+  const int j_lo = groups > 1 ? grp : 0, j_hi = groups > 1 ? grp + 1 : p.ntiles;
+  const int b_lo = j_lo * BT, b_hi = j_hi * BT < B ? j_hi * BT : B;
 
   __shared__ int sh_u[2];
   __shared__ int sh_lmax;
   if (tid == 0) {
     int u0, u1;
-    unit_range(p, G, blockIdx.x, nb, u0, u1);
+    unit_range(p, G, jb, nb, u0, u1);
     sh_u[0] = u0;
     sh_u[1] = u1;
-    sh_lmax = max_seq_len(p, 0, B);
+    sh_lmax = max_seq_len(p, b_lo, b_hi);
   }
   __syncthreads();
   const int u0 = sh_u[0];
@@ -933,7 +939,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
   // (cmask is first read after step 0's gather barrier.)
-  if (filter && nu > 0) mark_columns(p, G, kb0, kb1, cmask);
+  if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
 
   const int npairs = nu * BT;
   // Half a warp per row where that turns two passes over the rows into one (step probe,
@@ -946,7 +952,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   S* xraw = static_cast<S*>(p.xbuf);
 
   for (int s = 0; s < lmax; ++s) {
-    for (int j = 0; j < p.ntiles; ++j) {
+    for (int j = j_lo; j < j_hi; ++j) {
       const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * H) * BT;
       const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
 
@@ -1111,10 +1117,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     }
   }
 
-  // Padding steps after the longest sequence, and the final carry (hst/cst were written by
-  // the cell-update threads: barrier first).
+  // Padding steps after the longest sequence, and the final carry of this block's columns
+  // (hst/cst were written by the cell-update threads: barrier first).
   __syncthreads();
-  write_tail<kCell, D>(p, u0, nu, lmax, 0, B, bpad, hst, cst);
+  write_tail<kCell, D>(p, u0, nu, lmax, b_lo, b_hi, bpad, hst + b_lo, cst + b_lo);
 }
 
 // ---- fallback: one non-persistent launch per step ------------------------------------------

@@ -77,7 +77,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     ``sms`` > 0 with ``smem_optin``, ``cc_major`` and ``max_cluster``, 0 = 16 on cc >= 9).
 
     Keys include ``persistent`` (False: per-step fallback), ``variant``, ``cluster`` (CTAs per
-    cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``blocks``,
+    cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``tiles``, ``groups`` (> 1: the
+    tiles run at once, each on blocks / groups blocks), ``blocks``,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
