@@ -12,6 +12,9 @@
 //      lane, i.e. BT = 16, 32, 64 and float32 8, BT / kNV lanes share each nonzero, each with kNV
 //      batch columns: the "batch lanes" mapping, same code with other constants),
 //   3. applies the cell to its units and publishes h_s to the exchange buffer.
+// Batch groups (p.groups > 1): the grid splits into one group of nb / groups blocks per batch
+// tile, each group holding the whole layer and running its tile alone; the tiles' exchanges
+// never meet (benchmarks/NOTES.md, session 6: B=64 at ReLU H=1152 11.0 -> 5.5 us/step).
 // Exchange (two slots, s % 2):
 //   barrier mode: raw values, then a grid-wide barrier (one counter per batch tile, bounded spin);
 //   Lamport mode: each (unit, b) word carries value + step tag (16-bit value | 16-bit tag for the

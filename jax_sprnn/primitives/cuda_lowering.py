@@ -30,12 +30,17 @@ nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWa
 
 Batch tiles: 1, 2, 4, 8, 16, 32 or 64 sequences per exchange round, the smallest that holds
 the batch unless its h tile does not fit in shared memory or its weights would not stay
-(>= 3/4) on chip; tiles of 16 to 64 share each nonzero between several lanes. Threads per
+(>= 3/4) on chip; tiles of 16 to 64 share each nonzero between several lanes. From B = 8 on
+(default variant), batch groups: the batch splits into the most tiles of >= 4 sequences that
+run at once, each on its own blocks holding the whole layer (at most 128 rows per block);
+without them every block runs every tile in turn. Threads per
 block: a warp per row of the block plus three, 8 to 16 warps (the kernel is built for 512);
 where a block has more rows than warps but at most twice as many, each warp takes two rows
 side by side (half a warp each). The 16-bit cells use hardware exp2 / reciprocal for exp,
-tanh and sigmoid (about 1e-7 absolute error); float32 uses CUDA's accurate functions.
-Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT``,
+tanh and sigmoid (about 1e-7 absolute error); float32 uses CUDA's accurate expf / tanhf and a
+reciprocal refined by one Newton step in the sigmoid (about 1 ulp).
+Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT`` (forced tile,
+no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS`` (at most 512),
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
