@@ -1,8 +1,8 @@
 // Exchange probe: the latency of the grid-wide h exchange alone, without the RNN, to tell how
 // much of a small layer's ~0.8 us gather (step_probe.cu) is the L2 itself. Standalone, like
-// step_probe.cu; written in session 5, not yet run on a GPU.
+// step_probe.cu. Results: benchmarks/NOTES.md, session 6.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/exchange_probe.cu -o exchange_probe
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
 //   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
@@ -23,31 +23,16 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "cuda/kernel_core.cuh"  // ld_relaxed, st_relaxed, global_ns: the kernel's own
+#include "cuda_check.h"
+
+using sprnn::cuda::global_ns;
+using sprnn::cuda::ld_relaxed;
+using sprnn::cuda::st_relaxed;
 
 constexpr int kRounds = 200;
 constexpr long long kMaxSpins = 1ll << 24;
 
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_relaxed(unsigned* p, unsigned v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ unsigned smid() {
   unsigned id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));

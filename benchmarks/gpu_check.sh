@@ -42,7 +42,7 @@ if [ "$MODE" = probe ]; then
   exit 0
 fi
 if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange alone
-  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
   for cfg in ${EXCHANGE_CONFIGS:-132:384:2000:4 132:384:2000:16 132:384:2000:20 132:384:2000:36 132:384:2000:72 132:384:2000:20:1 66:384:2000:72}; do  # blocks:threads:steps:words:flagged
     timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
   done

@@ -25,18 +25,11 @@
 #include <vector>
 
 #include "cuda/kernel_core.cuh"
+#include "cuda_check.h"
 
 using namespace sprnn;
 using namespace sprnn::cuda;
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 constexpr int kBT = 4, kB = 4, kT = 256;
 
