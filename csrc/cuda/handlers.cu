@@ -247,23 +247,26 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
                 ") do not fit in one block's shared memory";
     return pl;
   }
-  // Batch groups (grouped_plan), the default's choice: the most groups that keep tiles of at
-  // least 4 columns, at most 128 rows per block (8 passes of 16 warps) and the whole layer on
-  // chip. Measured on the H200 (benchmarks/NOTES.md, session 6), us/step one tile -> groups:
-  // ReLU H=1152 d=10% B=16 4.59 -> 2.79 (4 groups), B=64 10.99 -> 5.55 (8); LSTM H=1024 B=64
-  // 15.09 -> 10.73 (4); ReLU H=2304 d=30% B=16 10.88 -> 7.43 (4). Smaller tiles or more rows
-  // per block lost. SPRNN_CUDA_GROUPS=n forces n groups (any wide variant), 1 never groups;
-  // a forced SPRNN_CUDA_BT keeps its tiles in turn.
+  // Batch groups (grouped_plan). SPRNN_CUDA_GROUPS=n forces n groups (any wide variant), 1 never
+  // groups; a forced SPRNN_CUDA_BT keeps its tiles in turn. The default's choice (Lamport
+  // variant): the most groups that keep tiles of at least 4 columns, at most 128 rows per block
+  // (8 passes of 16 warps) and the whole layer on chip. Measured on the H200
+  // (benchmarks/NOTES.md, session 6), us/step one tile -> groups: ReLU H=1152 d=10% B=16
+  // 4.59 -> 2.79 (4 groups), B=64 10.99 -> 5.55 (8); LSTM H=1024 B=64 15.09 -> 10.73 (4); ReLU
+  // H=2304 d=30% B=16 10.88 -> 7.43 (4). Smaller tiles or more rows per block lost.
   const long long forced_groups = env_int("SPRNN_CUDA_GROUPS", 0);
-  if (pl.wide && (forced_groups > 1 || (forced_groups == 0 && force_bt == 0 && pl.lamport))) {
-    int g = forced_groups > 1 ? static_cast<int>(std::min<long long>(forced_groups, B)) : 1;
-    while (forced_groups == 0 && 2 * g * 4 <= B) g *= 2;
-    for (; g >= 2; g = forced_groups > 1 ? 0 : g / 2) {
-      const long long rows_per_block = gates * H / std::max(1, pl.nb / g);
-      Plan c;
-      if ((forced_groups > 1 || rows_per_block <= 128) &&
-          grouped_plan(pl, g, gates, dtype, H, B, nnz, avail, c)) {
-        best = c;
+  Plan grouped;
+  if (pl.wide && forced_groups > 1) {
+    if (grouped_plan(pl, static_cast<int>(std::min<long long>(forced_groups, B)), gates, dtype, H,
+                     B, nnz, avail, grouped))
+      best = grouped;
+  } else if (pl.wide && pl.lamport && forced_groups == 0 && force_bt == 0) {
+    int g = 1;
+    while (2 * g * 4 <= B) g *= 2;
+    for (; g >= 2; g /= 2) {
+      if (gates * H / std::max(1, pl.nb / g) <= 128 &&
+          grouped_plan(pl, g, gates, dtype, H, B, nnz, avail, grouped)) {
+        best = grouped;
         break;
       }
     }
