@@ -3,7 +3,7 @@
 // step_probe.cu. Results: benchmarks/NOTES.md, session 6.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
-//   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged]
+//   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
 //    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
@@ -14,7 +14,8 @@
 //    then a block barrier, `steps` times; prints us/step: the floor of the kernel's gather
 //    phase. ReLU H=1152 at B=4 fp16 reads 18 KB per block and step: 132 blocks x 36 words. With
 //    `flagged` 1 the words are raw and each block raises one release flag after them (half the
-//    bytes of 16-bit data, one more L2 round trip).
+//    bytes of 16-bit data, one more L2 round trip). `depth` poll rounds in flight, issued `gap`
+//    clock cycles apart (poll_tagged); prints the poll rounds each thread consumed per batch.
 // Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
 #include <cuda_runtime.h>
 
@@ -80,17 +81,67 @@ __global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* 
   }
 }
 
+// Rounds of pipelined polling for one thread's items (ib, ib + nthr, ... up to N): D rounds
+// of loads in flight, issued `gap` clock cycles apart, each consumed in turn and re-issued for
+// the still-pending items. D = 1 is the kernel's gather (a stale item costs a whole L2 round
+// trip); D = 2 or 3 cut that wait to about a round trip / D, at D times the poll traffic.
+// Counts consumed rounds in `rounds`. false on a timeout.
+template <int D, int N>
+__device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr, int nitems, unsigned tag,
+                            long long gap, unsigned& sink, unsigned long long& rounds) {
+  unsigned pending = 0;
+  for (int i = 0; i < N; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
+  uint4 w[D][N];
+  auto issue = [&](uint4 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if ((pending >> i) & 1u)
+        asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[i].x), "=r"(r[i].y), "=r"(r[i].z), "=r"(r[i].w)
+                     : "l"(slot + ib + i * nthr) : "memory");
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d > 0) {
+      const long long t = clock64();
+      while (clock64() - t < gap) {}
+    }
+    issue(w[d]);
+  }
+  for (long long spins = 0; spins < kMaxSpins; ++spins) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (((pending >> i) & 1u) && (w[d][i].x >> 16) == tag && (w[d][i].y >> 16) == tag &&
+            (w[d][i].z >> 16) == tag && (w[d][i].w >> 16) == tag) {
+          sink += w[d][i].x ^ w[d][i].w;
+          pending &= ~(1u << i);
+        }
+      ++rounds;
+      if (!pending) return true;
+      issue(w[d]);
+    }
+  }
+  return false;
+}
+
 // All-to-all steps with a payload of wpb 32-bit words per block (wpb % 4 == 0), two slots.
 // Tagged (flagged == 0): every word carries the step's tag in its high half (the kernel's 16-bit
-// Lamport words); each reader polls all nb * wpb words with 16-byte loads, up to 8 in flight per
-// thread, re-polling only the pending ones. Flagged: raw words, then one release flag per block;
-// a reader's threads poll the nb flags (acquire), barrier, then read the words once. Both end
-// with a block barrier, like the kernel's gather.
-__global__ void all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged,
-                           unsigned long long* ns, int* abort) {
+// Lamport words); each reader polls all nb * wpb words with 16-byte loads, up to 8 per thread
+// and round, `depth` rounds in flight (poll_tagged). Flagged: raw words, then one release flag
+// per block; a reader's threads poll the nb flags (acquire), barrier, then read the words once.
+// Both end with a block barrier, like the kernel's gather. rounds: poll rounds consumed.
+// N = 8 items per thread and batch at D = 1, else 4 (registers).
+template <int D>
+__global__ void __launch_bounds__(512, 1)
+all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, long long gap,
+           unsigned long long* ns,
+                           unsigned long long* rounds, int* abort) {
   const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
   const int nitems = nb * wpb / 4;
   unsigned sink = 0;
+  unsigned long long my_rounds = 0;
   const unsigned long long t0 = global_ns();
   for (int s = 0; s < steps; ++s) {
     const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
@@ -118,32 +169,17 @@ __global__ void all_to_all(unsigned* words, unsigned* flags, int steps, int wpb,
         sink += w.x ^ w.y ^ w.z ^ w.w;
       }
     } else {
-      for (int ib = tid; ib < nitems && ok; ib += nthr * 8) {
-        unsigned pending = 0;
-        for (int i = 0; i < 8; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
-        long long spins = 0;
-        while (pending) {
-          uint4 w[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if ((pending >> i) & 1u)
-              asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                           : "=r"(w[i].x), "=r"(w[i].y), "=r"(w[i].z), "=r"(w[i].w)
-                           : "l"(reinterpret_cast<const uint4*>(slot) + ib + i * nthr) : "memory");
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (((pending >> i) & 1u) && (w[i].x >> 16) == tag && (w[i].y >> 16) == tag &&
-                (w[i].z >> 16) == tag && (w[i].w >> 16) == tag) {
-              sink += w[i].x ^ w[i].w;
-              pending &= ~(1u << i);
-            }
-          if (pending && ++spins >= kMaxSpins) { atomicExch(abort, 1); ok = false; break; }
-        }
+      const uint4* s4 = reinterpret_cast<const uint4*>(slot);
+      constexpr int N = D == 1 ? 8 : 4;
+      for (int ib = tid; ib < nitems && ok; ib += nthr * N) {
+        ok = poll_tagged<D, N>(s4, ib, nthr, nitems, tag, gap, sink, my_rounds);
+        if (!ok) atomicExch(abort, 1);
       }
     }
     if (__syncthreads_or(!ok)) return;
   }
   if (tid == 0) ns[b] = global_ns() - t0;
+  if (tid < nitems) atomicAdd(rounds, my_rounds);
   if (sink == 0xdeadbeef) abort[1] = 1;  // keeps the reads alive
 }
 
@@ -156,14 +192,17 @@ int main(int argc, char** argv) {
   const int steps = argc > 3 ? std::atoi(argv[3]) : 2000;
   const int wpb = argc > 4 ? std::atoi(argv[4]) : 4;
   const int flagged = argc > 5 ? std::atoi(argv[5]) : 0;
-  if (nb < 2 || nb > sms || threads < 32 || threads > 1024 || steps < 1 || wpb < 4 || wpb % 4) {
+  const int depth = argc > 6 ? std::atoi(argv[6]) : 1;
+  const long long gap = argc > 7 ? std::atoll(argv[7]) : 0;
+  if (nb < 2 || nb > sms || threads < 32 || threads > 512 || steps < 1 || wpb < 4 || wpb % 4 ||
+      depth < 1 || depth > 3 || gap < 0) {
     std::fprintf(stderr,
-                 "usage: exchange_probe [blocks 2..%d] [threads 32..1024] [steps] [words per block, "
-                 "multiple of 4] [flagged 0/1]\n", sms);
+                 "usage: exchange_probe [blocks 2..%d] [threads 32..512] [steps] [words per block, "
+                 "multiple of 4] [flagged 0/1] [poll depth 1..3] [gap cycles]\n", sms);
     return 2;
   }
   unsigned *words, *flags, *sm_of;
-  unsigned long long *rtt, *ns;
+  unsigned long long *rtt, *ns, *rounds;
   int* abort;
   const size_t nwords = 2 * static_cast<size_t>(nb) * wpb;  // ping-pong uses the first 2 nb
   CHECK(cudaMalloc(&words, nwords * sizeof(unsigned)));
@@ -171,6 +210,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&sm_of, nb * sizeof(unsigned)));
   CHECK(cudaMalloc(&rtt, nb * sizeof(unsigned long long)));
   CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
   CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
 
   // 1. ping-pong (one warp per block; cooperative launch: every block co-resident)
@@ -205,10 +245,15 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(words, 0, nwords * sizeof(unsigned)));
   CHECK(cudaMemset(flags, 0, 2 * nb * sizeof(unsigned)));
   CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
   {
     int st = steps, w = wpb, f = flagged;
-    void* args[] = {&words, &flags, &st, &w, &f, &ns, &abort};
-    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(all_to_all), dim3(nb),
+    long long g = gap;
+    void* args[] = {&words, &flags, &st, &w, &f, &g, &ns, &rounds, &abort};
+    const void* fn = depth >= 3   ? reinterpret_cast<const void*>(all_to_all<3>)
+                     : depth == 2 ? reinterpret_cast<const void*>(all_to_all<2>)
+                                  : reinterpret_cast<const void*>(all_to_all<1>);
+    CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb),
                                       dim3(threads), args, 0, nullptr));
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
@@ -220,9 +265,16 @@ int main(int argc, char** argv) {
     std::printf("all-to-all: TIMEOUT\n");
   } else {
     const unsigned long long worst = *std::max_element(t.begin(), t.end());
+    unsigned long long nr = 0;
+    CHECK(cudaMemcpy(&nr, rounds, sizeof(nr), cudaMemcpyDeviceToHost));
+    // polling threads per block: min(threads, items); each takes its items in batches of 8 (depth 1) or 4
+    const int items = nb * wpb / 4, pollers = std::min(threads, items), per = depth == 1 ? 8 : 4;
+    const int batches = (items + pollers * per - 1) / (pollers * per);
     std::printf("all-to-all %s: %d blocks x %d threads, %d words (%d bytes read) per block per step, "
-                "%d steps: %.3f us/step\n", flagged ? "flagged" : "tagged", nb, threads, wpb,
-                nb * wpb * 4, steps, worst / 1000.0 / steps);
+                "%d steps, poll depth %d gap %lld cycles: %.3f us/step, %.2f poll rounds per "
+                "thread batch\n", flagged ? "flagged" : "tagged", nb, threads, wpb, nb * wpb * 4,
+                steps, depth, gap, worst / 1000.0 / steps,
+                flagged ? 0.0 : static_cast<double>(nr) / (static_cast<double>(nb) * pollers * batches * steps));
   }
   return 0;
 }

@@ -32,11 +32,17 @@ PY=python3
 
 if [ "$MODE" = probe ]; then
   # PROBE_BUILDS: space-separated name=flags (flags joined by commas), one probe binary each.
+  # The builds run side by side (one nvcc each), then the probes one at a time.
+  for build in ${PROBE_BUILDS:-base=}; do
+    name="${build%%=*}"; flags="${build#*=}"
+    nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
+      -o "/tmp/step_probe_$name" > "/tmp/step_probe_$name.log" 2>&1 &
+  done
+  wait
   for build in ${PROBE_BUILDS:-base=}; do
     name="${build%%=*}"; flags="${build#*=}"
     echo "== build $name: ${flags//,/ }" | tee -a "$OUT/probe.txt"
-    nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
-      -o "/tmp/step_probe_$name" || exit 1
+    [ -x "/tmp/step_probe_$name" ] || { cat "/tmp/step_probe_$name.log"; exit 1; }
     timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
   done
   exit 0
