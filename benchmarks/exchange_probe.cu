@@ -84,7 +84,8 @@ __global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* 
 // Rounds of pipelined polling for one thread's items (ib, ib + nthr, ... up to N): D rounds
 // of loads in flight, issued `gap` clock cycles apart, each consumed in turn and re-issued for
 // the still-pending items. D = 1 is the kernel's gather (a stale item costs a whole L2 round
-// trip); D = 2 or 3 cut that wait to about a round trip / D, at D times the poll traffic.
+// trip); D = 2 or 3 were meant to cut that wait to about a round trip / D, at D times the poll
+// traffic. Measured (NOTES.md, session 7): they do not; the extra polls slow every block.
 // Counts consumed rounds in `rounds`. false on a timeout.
 template <int D, int N>
 __device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr, int nitems, unsigned tag,

@@ -836,22 +836,6 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 #define SPRNN_PERSISTENT_THREADS 512
 #endif
 constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
-// Gather poll rounds in flight per thread, and the clock cycles between issuing them
-// (benchmarks/exchange_probe.cu measures both on the exchange alone).
-#ifndef SPRNN_POLL_DEPTH
-#define SPRNN_POLL_DEPTH 1
-#endif
-#ifndef SPRNN_POLL_GAP
-#define SPRNN_POLL_GAP 0
-#endif
-constexpr int kPollDepth = SPRNN_POLL_DEPTH;
-constexpr long long kPollGap = SPRNN_POLL_GAP;
-static_assert(kPollDepth >= 1 && kPollDepth <= 3, "poll depth");
-__device__ __forceinline__ void spin_cycles(long long n) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < n) {
-  }
-}
 
 // Threads per CTA the cluster kernel (cluster_kernel.cuh) is built for: tiles of 16 run 512
 // threads with up to 128 registers, smaller tiles 1024.
@@ -874,9 +858,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
-  // Chunks in flight per thread: up to 128 bytes (more made ptxas spill), spread over
-  // kPollDepth rounds of K chunks.
-  constexpr int kFlight = 32 / kXWords / kPollDepth;
+  // Chunks in flight per thread: up to 128 bytes (more made ptxas spill).
+  constexpr int kFlight = 32 / kXWords;
   constexpr int K = kFlight < 1 ? 1 : (kFlight > 8 ? 8 : kFlight);
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
@@ -1053,9 +1036,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
         // are issued before any tag is checked, and only the pending ones are polled again.
         // Branch-free on the common path (predicated loads): this loop's instructions were
-        // most of a small layer's step (step probe profile, benchmarks/NOTES.md). kPollDepth
-        // rounds are in flight, kPollGap cycles apart: a chunk that was stale when polled is
-        // seen again after a round trip / kPollDepth instead of a whole round trip.
+        // most of a small layer's step (step probe profile, benchmarks/NOTES.md).
         for (int ib = tid; ib < nitems && !aborted; ib += nthr * K) {
           const int left = ib + (K - 1) * nthr < nitems ? K : (nitems - ib + nthr - 1) / nthr;
           unsigned int pending = left >= K ? (1u << K) - 1u : (1u << left) - 1u;
@@ -1066,45 +1047,30 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               if ((pending >> i) & 1u) pending &= ~(((~cmask[u >> 5] >> (u & 31)) & 1u) << i);
             }
           }
-          X w[kPollDepth][K][kCW] = {};
-          const auto issue = [&](X (&r)[K][kCW]) {
+          int spins = 0;
+          while (pending) {
+            X w[K][kCW] = {};
 #pragma unroll
             for (int i = 0; i < K; ++i)
-              load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, r[i], (pending >> i) & 1u);
-          };
-          const auto take = [&](const X (&r)[K][kCW]) {
+              load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
 #pragma unroll
             for (int i = 0; i < K; ++i) {
               if (i >= left) break;  // items past the end: none in this round
               bool ok = (pending >> i) & 1u;
 #pragma unroll
-              for (int q = 0; q < kCW; ++q) ok = ok && (T::x_ok(r[i][q], tag) || SPRNN_PROBE_MODE == 2);
+              for (int q = 0; q < kCW; ++q) ok = ok && (T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
               if (ok) {
                 uint32_t bits[kCW];
 #pragma unroll
-                for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(r[i][q]);
+                for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
                 store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
                 pending &= ~(1u << i);
               }
             }
-          };
-          if (pending) {
-#pragma unroll
-            for (int d = 0; d < kPollDepth; ++d) {
-              if (d > 0) spin_cycles(kPollGap);
-              issue(w[d]);
-            }
-          }
-          int spins = 0;
-          while (pending) {
-#pragma unroll
-            for (int d = 0; d < kPollDepth; ++d) {
-              take(w[d]);
-              if (!pending) break;
+            if (pending) {
               if (p.spin_ns) __nanosleep(p.spin_ns);
-              issue(w[d]);
+              if ((++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
             }
-            if (pending && (++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
           }
         }
       }
