@@ -6,11 +6,13 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb]]]],
+// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:balance[:bank]]]]]],
 // B = 4 (one
 // tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
-// exchange buffer starts past its allocation (does its L2 placement matter?). Prints the median us/step
+// exchange buffer starts past its allocation (does its L2 placement matter?), balance =
+// Params::row_balance (default 0), bank = 1 (default) packs each row in the package's
+// bank-aware order, 0 in column order (before session 7). Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
@@ -35,20 +37,54 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 
 struct Config {
   std::string cell;
-  int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0;
+  int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
+      balance = 0, bank = 1;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
-                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb) < 6) {
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
+                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.balance,
+                  &c.bank) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
   c.cell = cell;
   return c;
+}
+
+// The package's bank-aware order (jax_sprnn/packing.py bank_aware_order, period 16) for the
+// row starting at `from` (the last row of cols / vals), so that the probe's shared-memory
+// conflicts are the ones the package's layers see.
+template <class S>
+void bank_aware_row(std::vector<int32_t>& cols, std::vector<S>& vals, size_t from) {
+  constexpr int kP = 16;
+  const int n = static_cast<int>(cols.size() - from);
+  if (n <= 1) return;
+  std::vector<int> by_res(n);
+  for (int i = 0; i < n; ++i) by_res[i] = i;
+  std::stable_sort(by_res.begin(), by_res.end(), [&](int a, int b) {
+    return cols[from + a] % kP < cols[from + b] % kP;  // columns ascend within a residue
+  });
+  const int m = (n + kP - 1) / kP, r = n - kP * (m - 1), m1 = std::max(m - 1, 1);
+  std::vector<std::pair<int, int>> pos(n);  // (position, index in the row)
+  for (int q = 0; q < n; ++q) {
+    const bool first = q < r * m;
+    const int q2 = q - r * m;
+    const int group = first ? q % m : q2 % m1, round = first ? q / m : r + q2 / m1;
+    pos[q] = {group * kP + round, by_res[q]};
+  }
+  std::sort(pos.begin(), pos.end());
+  std::vector<int32_t> c2(n);
+  std::vector<S> v2(n);
+  for (int i = 0; i < n; ++i) {
+    c2[i] = cols[from + pos[i].second];
+    v2[i] = vals[from + pos[i].second];
+  }
+  std::copy(c2.begin(), c2.end(), cols.begin() + from);
+  std::copy(v2.begin(), v2.end(), vals.begin() + from);
 }
 
 template <class V>
@@ -79,6 +115,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
         col_idx.push_back(col);
         vals.push_back(h16(uni(rng) * scale));
       }
+    if (c.bank) bank_aware_row(col_idx, vals, row_ptr.back());
     row_ptr.push_back(static_cast<int32_t>(col_idx.size()));
   }
   const long long nnz = static_cast<long long>(col_idx.size());
@@ -101,6 +138,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.col_filter = c.filter;
   p.spin_ns = c.spin_ns;
   p.row_lanes = c.row_lanes;
+  p.row_balance = c.balance;
 
   auto upload = [](const auto& v) {
     void* d = nullptr;
@@ -216,11 +254,11 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       h.swap(hn);
     }
   }
-  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d nnz=%lld smem=%lld | %.3f us/step | "
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d balance=%d bank=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
               "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
-              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, nnz, smem, us_step,
+              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.balance, c.bank, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");
