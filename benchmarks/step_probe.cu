@@ -6,13 +6,13 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:balance[:bank]]]]]],
+// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank]]]]],
 // B = 4 (one
 // tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
-// exchange buffer starts past its allocation (does its L2 placement matter?), balance =
-// Params::row_balance (default 0), bank = 1 (default) packs each row in the package's
-// bank-aware order, 0 in column order (before session 7). Prints the median us/step
+// exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
+// (default) packs each row in the package's bank-aware order, 0 in column order (the probe's
+// order before session 7). Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
@@ -38,16 +38,15 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 struct Config {
   std::string cell;
   int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
-      balance = 0, bank = 1;
+      bank = 1;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
-                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.balance,
-                  &c.bank) < 6) {
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
+                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.bank) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -138,7 +137,6 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.col_filter = c.filter;
   p.spin_ns = c.spin_ns;
   p.row_lanes = c.row_lanes;
-  p.row_balance = c.balance;
 
   auto upload = [](const auto& v) {
     void* d = nullptr;
@@ -254,11 +252,11 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       h.swap(hn);
     }
   }
-  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d balance=%d bank=%d nnz=%lld smem=%lld | %.3f us/step | "
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
               "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
-              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.balance, c.bank, nnz, smem, us_step,
+              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");

@@ -214,22 +214,6 @@ def test_two_rows_per_warp(cell, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
-def test_balanced_rows(cell, dtype, monkeypatch):
-    # Balanced rows (SPRNN_CUDA_ROW_BALANCE=1, kernel_core.cuh RowPieces): every half warp takes
-    # an equal share of its block's nonzeros, so rows are split across half warps and summed in
-    # the update. Forced on every shape (empty rows, skewed rows, density 0 and 1, H=1), on the
-    # layer it was made for (ReLU/LSTM/GRU H=2304 at 30%: rows longer than a share), without
-    # the bank-aware order, and on the naive barrier variant.
-    monkeypatch.setenv("SPRNN_CUDA_ROW_BALANCE", "1")
-    for n, shape in enumerate(SHAPES):
-        check(cell, dtype, shape, 3, n)
-    check(cell, dtype, (4, 4, 2304, 0.3, "skewed"), 3, 1, activation="relu")
-    check(cell, dtype, (5, 6, 517, 0.3, "empty_rows"), 3, 2, bank_period=0)
-    check(cell, dtype, (5, 3, 300, 0.2, "skewed"), 0, 0)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cell", CELLS)
 def test_batch_groups(cell, dtype, monkeypatch):
     # Batch groups (SPRNN_CUDA_GROUPS, Params::groups): every batch tile on its own blocks, all
     # tiles at once. Ragged lengths (a group can finish early and write its own padding),

@@ -602,7 +602,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
-  p.row_balance = env_int("SPRNN_CUDA_ROW_BALANCE", 0) != 0 ? 1 : 0;
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)

@@ -81,8 +81,6 @@ struct Params {
   int groups;             // persistent_fwd: > 1 = batch groups, tile j on blocks
                           // [j * nb / groups, (j + 1) * nb / groups), all tiles at once
                           // (groups == ntiles); 0 or 1 = every block runs every tile in turn
-  int row_balance;        // persistent_fwd, tiles of kLPN == 1: 1 = balanced rows (RowPieces:
-                          // every half warp the same number of nonzeros), 0 = a group per row
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -704,125 +702,11 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
   }
 }
 
-// Balanced rows (Params::row_balance). With a group of lanes per row, a block whose rows do not
-// fill its groups evenly leaves lanes idle while others walk long rows: ReLU H=2304 at 30% has
-// 17-18 rows of ~690 nonzeros per block for 32 half warps, so 14 half warps wait at the barrier
-// and the busy lanes take ~43 nonzeros each (NOTES.md, session 7). Here the block's nonzeros
-// [0, total) are cut into one contiguous range per half warp (group g: [bnd[g], bnd[g + 1])),
-// each boundary moved down to a multiple of 16 from its row's start, so the bank-aware
-// groups of 16 (jax_sprnn/packing.py) stay whole. A group computes a piece of every row its
-// range meets: rows [ra[g], rb[g]). Rows that start in the range are the group's own and go to
-// acc_s as before; a row that began in an earlier group continues here as the group's first
-// piece, into ext_s[g * BT + b], and the update adds those: crow[r] = first | (end << 16),
-// the groups [first, end) that continue row r. Built once per launch (build_row_pieces).
-struct RowPieces {
-  int* bnd;    // ngroups + 1
-  int* ra;     // ngroups
-  int* rb;     // ngroups
-  int* crow;   // nrows
-  float* ext;  // ngroups * BT
-};
-
-// Shared-memory bytes of the tables, placed after the block's row offsets.
-__host__ __device__ __forceinline__ long long row_pieces_bytes(int ngroups, int nrows, int BT) {
-  return align16(static_cast<long long>(3 * ngroups + 1 + nrows + ngroups * BT) * 4);
-}
-
-__host__ __device__ inline RowPieces row_pieces_at(unsigned char* base, int ngroups, int nrows) {
-  RowPieces t;
-  t.bnd = reinterpret_cast<int*>(base);
-  t.ra = t.bnd + ngroups + 1;
-  t.rb = t.ra + ngroups;
-  t.crow = t.rb + ngroups;
-  t.ext = reinterpret_cast<float*>(t.crow + nrows);
-  return t;
-}
-
-// One thread, once per launch: O(nrows + ngroups) over the row offsets rows_s[0..nrows].
-__host__ __device__ inline void build_row_pieces(const int* rows_s, int nrows, int ngroups,
-                                                 RowPieces t) {
-  const int total = rows_s[nrows];
-  const int chunk = (total + ngroups - 1) / ngroups;
-  int r = 0;
-  t.bnd[0] = 0;
-  for (int g = 1; g < ngroups; ++g) {
-    const int x = g * chunk < total ? g * chunk : total;
-    while (r < nrows && rows_s[r + 1] <= x) ++r;  // rows_s[r] <= x < rows_s[r + 1]
-    t.bnd[g] = r < nrows ? rows_s[r] + ((x - rows_s[r]) & ~15) : total;
-  }
-  t.bnd[ngroups] = total;
-  for (int i = 0; i < nrows; ++i) t.crow[i] = 0;
-  // own(g) = the first row starting at or after bnd[g] (the last group owns the rest).
-  int own = 0;
-  for (int g = 0; g < ngroups; ++g) {
-    while (own < nrows && rows_s[own] < t.bnd[g]) ++own;
-    int next = own;
-    if (g + 1 < ngroups) {
-      while (next < nrows && rows_s[next] < t.bnd[g + 1]) ++next;
-    } else {
-      next = nrows;
-    }
-    // The row that started before this range continues here if it reaches past bnd[g] (an
-    // empty range then computes an empty piece: its ext slot must hold 0 for the update).
-    const int c = own - 1;
-    const bool cont = c >= 0 && rows_s[c + 1] > t.bnd[g];
-    t.ra[g] = cont ? c : own;
-    t.rb[g] = next;
-    if (cont) t.crow[c] = (t.crow[c] == 0 ? g : (t.crow[c] & 0xffff)) | ((g + 1) << 16);
-  }
-}
-
-// Step 2 with balanced rows: half warp g computes its pieces (RowPieces) one after another;
-// both halves of a warp take the same number of turns (the sums shuffle across the warp).
-template <DType D, int BT, bool kWide>
-__device__ __forceinline__ void compute_rows_balanced(const Params& p, const typename Tr<D>::W* w_s,
-                                                      long long kb0, long long n_in,
-                                                      const typename Tr<D>::S* h_s,
-                                                      const int* rows_s, const RowPieces& t,
-                                                      float* acc_s) {
-  using M = RowMap<D, BT, kWide>;
-  static_assert(M::kLPN == 1, "balanced rows: a lane holds a whole batch tile");
-  constexpr int kGroup = 16;
-  const int lane = threadIdx.x & 31;
-  const int g = threadIdx.x >> 4;
-  const int ra = t.ra[g], rb = t.rb[g], lo = t.bnd[g], hi = t.bnd[g + 1];
-  const int mine = rb - ra;
-  const int other = __shfl_xor_sync(0xffffffffu, mine, 16);
-  const int turns = mine > other ? mine : other;
-  for (int i = 0; i < turns; ++i) {
-    const int r = ra + i;
-    const bool has = i < mine;
-    const int r0 = has ? rows_s[r] : 0, r1 = has ? rows_s[r + 1] : 0;
-    float acc[M::kNV];
-    row_dot<D, BT, kWide, kGroup>(p, w_s, kb0, n_in, h_s, r0 > lo ? r0 : lo, r1 < hi ? r1 : hi, acc);
-    float* dst = r0 < lo ? t.ext + g * BT : acc_s + r * BT;  // continuation or own row
-    if constexpr (M::kNV >= 2 && M::kNV <= 8) {
-      int col;
-      const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
-      if (has && (lane % kGroup) % (kGroup / M::kNV) == 0) dst[col] = sum;
-    } else {
-      sum_slices<M::kNV, kGroup, 1>(acc);
-      if (has && lane % kGroup == 0) {
-#pragma unroll
-        for (int v = 0; v < M::kNV; ++v) dst[v] = acc[v];
-      }
-    }
-  }
-}
-
-// The G row results of pair (unit ul, tile column bt) from acc_s, plus, with balanced rows
-// (crow != nullptr), the pieces of each row that other groups computed.
+// The G row results of pair (unit ul, tile column bt) from acc_s.
 template <int G, int BT>
-__device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, float* hw,
-                                         const int* crow = nullptr, const float* ext = nullptr) {
+__device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, float* hw) {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    hw[g] = acc_s[(ul * G + g) * BT + bt];
-    if (crow != nullptr) {
-      const int c = crow[ul * G + g];
-      for (int q = c & 0xffff; q < (c >> 16); ++q) hw[g] += ext[q * BT + bt];
-    }
-  }
+  for (int g = 0; g < G; ++g) hw[g] = acc_s[(ul * G + g) * BT + bt];
 }
 
 // The cell math's exp, tanh and sigmoid (the `M` policy of common/cells.h) per storage type.
@@ -1033,21 +917,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   int* len_s = reinterpret_cast<int*>(smem + L.len_off);  // clamped lengths of the bpad columns
   // The weight region (w_cap words) holds this block's row offsets (from kb0), then as many of
   // its nonzeros as fit: sized by the block's own rows, not the worst case u_cap.
-  // With balanced rows (tiles of one lane per nonzero, and only while the tables leave every
-  // nonzero of the block on chip) the RowPieces tables follow the row offsets.
   const long long rows_bytes = align16(static_cast<long long>(nu * G + 1) * 4);
   int* rows_s = reinterpret_cast<int*>(smem + L.w_off);
+  W* w_s = reinterpret_cast<W*>(smem + L.w_off + rows_bytes);
+  const long long w_room = p.w_cap - rows_bytes / static_cast<long long>(sizeof(W));
+
   const int32_t* row_ptr = p.row_ptr;
   const long long kb0 = __ldg(row_ptr + static_cast<long long>(u0) * G);
   const long long kb1 = __ldg(row_ptr + static_cast<long long>(u0 + nu) * G);
-  const int ngroups = nthr >> 4;
-  const long long pieces_bytes = row_pieces_bytes(ngroups, nu * G, BT);
-  const bool balanced = kLPN == 1 && p.row_balance != 0 && nu > 0 &&
-                        (rows_bytes + pieces_bytes) / static_cast<long long>(sizeof(W)) + (kb1 - kb0) <= p.w_cap;
-  const RowPieces pieces = row_pieces_at(smem + L.w_off + rows_bytes, ngroups, nu * G);
-  const long long head_bytes = rows_bytes + (balanced ? pieces_bytes : 0);
-  W* w_s = reinterpret_cast<W*>(smem + L.w_off + head_bytes);
-  const long long w_room = p.w_cap - head_bytes / static_cast<long long>(sizeof(W));
   const long long n_in = (kb1 - kb0) < w_room ? (kb1 - kb0) : (w_room > 0 ? w_room : 0);
 
   // Load this block's nonzeros (as many as fit) and its initial state, and mark the h units
@@ -1064,9 +941,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = 0u;
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
-  // (cmask is first read after step 0's gather barrier, the pieces after its rows barrier.)
+  // (cmask is first read after step 0's gather barrier.)
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
-  if (balanced && tid == 0) build_row_pieces(rows_s, nu * G, ngroups, pieces);
 
   const int npairs = nu * BT;
   // Half a warp per row where that turns two passes over the rows into one (step probe,
@@ -1203,14 +1079,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
-        if (balanced) {  // (never with kLPN > 1)
-          if constexpr (kLPN == 1)
-            compute_rows_balanced<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, pieces, acc_s);
-        } else if (two_rows_per_warp) {
+        if (two_rows_per_warp)
           compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
-        } else {
+        else
           compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
-        }
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
@@ -1221,7 +1093,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const int b = j * BT + bt;
         const bool first = pi == tid;
         float hw[G];
-        row_sums<G, BT>(acc_s, ul, bt, hw, balanced ? pieces.crow : nullptr, pieces.ext);
+        row_sums<G, BT>(acc_s, ul, bt, hw);
         const float hnew =
             update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
                                   b, ul * bpad + b, first, xr, hw, hst, cst);
