@@ -56,7 +56,9 @@ Config parse(const char* s) {
 
 // The package's bank-aware order (jax_sprnn/packing.py bank_aware_order, period 16) for the
 // row starting at `from` (the last row of cols / vals), so that the probe's shared-memory
-// conflicts are the ones the package's layers see.
+// conflicts are the ones the package's layers see. Same construction, one row at a time:
+// single groups (one of every residue), double groups (the rest, dealt round-robin), the
+// partial group from the largest classes; the plain round-robin deal where that cannot work.
 template <class S>
 void bank_aware_row(std::vector<int32_t>& cols, std::vector<S>& vals, size_t from) {
   constexpr int kP = 16;
@@ -67,13 +69,49 @@ void bank_aware_row(std::vector<int32_t>& cols, std::vector<S>& vals, size_t fro
   std::stable_sort(by_res.begin(), by_res.end(), [&](int a, int b) {
     return cols[from + a] % kP < cols[from + b] % kP;  // columns ascend within a residue
   });
+  int count[kP] = {}, start[kP] = {};
+  for (int i = 0; i < n; ++i) ++count[cols[from + i] % kP];
+  for (int c = 1; c < kP; ++c) start[c] = start[c - 1] + count[c - 1];
+  const int full = n / kP, part = n - kP * full;
+  int by_size[kP];
+  for (int c = 0; c < kP; ++c) by_size[c] = c;
+  std::stable_sort(by_size, by_size + kP, [&](int a, int b) { return count[a] > count[b]; });
+  bool chosen[kP] = {};
+  int nchosen = 0;
+  for (int i = 0; i < part; ++i)
+    if (count[by_size[i]] > 0) chosen[by_size[i]] = true, ++nchosen;
+  int doubles = 0;
+  for (int c = 0; c < kP; ++c) doubles = std::max(doubles, std::abs(count[c] - chosen[c] - full));
+  doubles = std::min(doubles, full);
+  const int singles = full - doubles;
+  bool fallback = nchosen < part;
+  int dstart[kP], cstart[kP], acc_d = 0, acc_c = 0;
+  for (int c = 0; c < kP; ++c) {
+    const int to_doubles = count[c] - chosen[c] - singles;
+    fallback = fallback || to_doubles > 2 * doubles;
+    dstart[c] = acc_d;
+    acc_d += to_doubles;
+    cstart[c] = acc_c;
+    acc_c += chosen[c];
+  }
   const int m = (n + kP - 1) / kP, r = n - kP * (m - 1), m1 = std::max(m - 1, 1);
   std::vector<std::pair<int, int>> pos(n);  // (position, index in the row)
   for (int q = 0; q < n; ++q) {
-    const bool first = q < r * m;
-    const int q2 = q - r * m;
-    const int group = first ? q % m : q2 % m1, round = first ? q / m : r + q2 / m1;
-    pos[q] = {group * kP + round, by_res[q]};
+    const int c = cols[from + by_res[q]] % kP, j = q - start[c];
+    int position;
+    if (fallback) {
+      const bool first = q < r * m;
+      const int q2 = q - r * m;
+      position = first ? (q % m) * kP + q / m : (q2 % m1) * kP + r + q2 / m1;
+    } else if (chosen[c] && j == count[c] - 1) {
+      position = kP * full + cstart[c];
+    } else if (j < singles) {
+      position = kP * (doubles + j) + c;
+    } else {
+      const int t = dstart[c] + j - singles, d = std::max(doubles, 1);
+      position = kP * (t % d) + t / d;
+    }
+    pos[q] = {position, by_res[q]};
   }
   std::sort(pos.begin(), pos.end());
   std::vector<int32_t> c2(n);

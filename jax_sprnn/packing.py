@@ -22,43 +22,79 @@ def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.nd
     """Permutation of nonzeros (sorted by row) that spreads each row's columns over banks.
 
     What it optimizes: a warp's lanes read ``h[col]`` for ``period`` consecutive nonzeros of a
-    row at once. Those reads are conflict-free when the columns have distinct residues
-    ``col mod period`` (distinct shared-memory banks). Within a row of n nonzeros split into
-    m = ceil(n / period) aligned groups, nonzeros sorted by residue are dealt round-robin to the
-    groups (the last, partial group drops out of the deal once it is full). A residue class of
-    k members then lands at most ceil(k / m') times in any group, which is the best possible
-    up to one, and a row whose residues are balanced gets entirely conflict-free groups.
+    row at once (an aligned group). The shared memory serves such a read in as many passes
+    (wavefronts) as the largest number of the group's columns that share a residue
+    ``col mod period`` (a bank). The order minimizes the row's total passes, the sum over its
+    groups of that largest multiplicity.
 
-    How the CUDA kernel reads it (csrc/cuda/kernel_core.cuh): one warp per packed row, the
-    row's k-th nonzero on lane k % 32, and h in shared memory as h[col][batch tile]. With the
-    default period 16 and an fp16/bf16 batch tile of 4 (8-byte loads, served per half-warp),
-    the 16 lanes of a half-warp then read 16 distinct 8-byte bank pairs. For 16-byte loads
-    (float32 tile of 4, 16-bit tile of 8; served 8 lanes at a time) the members of a group are
-    placed in residue order, so a full group of distinct residues 0..15 puts 0..7 and 8..15 in
-    its two halves, which are also distinct mod 8. Measured with ncu on the H200 (ReLU H=1152,
-    d=10%, fp16, B=4): 41% fewer shared-load bank conflicts than plain column order
-    (benchmarks/NOTES.md).
+    Why it is optimal: with F full groups, a residue class of k members needs at least k - F
+    groups holding two of it, and a class of k < F members leaves F - k groups that must hold a
+    duplicate of some other class instead. So at least D = max over classes of |k - F| groups
+    cost two passes, whatever the order. The construction reaches that bound: F - D "single"
+    groups take one member of every class (placed in residue order), and the D "double"
+    groups share the rest, dealt round-robin in residue order, at most two per class each. The
+    last, partial group (n mod period members) takes one member from each of the largest
+    classes first. (Rows where some class exceeds 2F, or too few distinct classes remain for
+    the partial group, get the plain round-robin deal.) On random masks this takes the 8-byte
+    gathers from 1.50-1.59x the conflict-free passes (the round-robin deal used before session
+    7) to 1.26-1.31x, against a bound of 1.22-1.27x (benchmarks/NOTES.md, session 7).
+
+    How the CUDA kernel reads it (csrc/cuda/kernel_core.cuh): one warp (or half warp) per
+    packed row, the row's k-th nonzero on lane k % 32 (k % 16), and h in shared memory as
+    h[col][batch tile]. With the default period 16 and an fp16/bf16 batch tile of 4 (8-byte
+    loads, served per half warp) a single group's 16 lanes read 16 distinct 8-byte bank pairs.
+    For 16-byte loads (float32 tile of 4, 16-bit tile of 8; served 8 lanes at a time) a single
+    group's residue order puts 0..7 and 8..15 in its two halves, also distinct mod 8.
 
     ``row_of`` must be non-decreasing. Returns indices into the inputs.
     """
     n_total = row_of.shape[0]
     if n_total == 0 or period <= 1:
         return np.arange(n_total)
-    residue = cols % period
+    P = period
+    residue = cols % P
     by_residue = np.lexsort((cols, residue, row_of))  # row-major, residue-sorted within a row
     rows_sorted = row_of[by_residue]
-    starts = np.searchsorted(rows_sorted, rows_sorted, side="left")
-    q = np.arange(n_total) - starts  # rank within the row, in residue order
-    counts = np.bincount(rows_sorted)
-    n = counts[rows_sorted]
-    m = -(-n // period)  # groups in the row
-    r = n - period * (m - 1)  # size of the last group, in [1, period]
-    first = q < r * m  # dealt while all m groups take one per round
-    q2 = q - r * m
+    res = residue[by_residue]
+    # Compact row index r of every nonzero, and per-row class counts (rows, P).
+    first = np.flatnonzero(np.r_[True, rows_sorted[1:] != rows_sorted[:-1]])
+    r = np.repeat(np.arange(first.size), np.diff(np.r_[first, n_total]))
+    counts = np.bincount(r * P + res, minlength=first.size * P).reshape(-1, P)
+    n = counts.sum(axis=1)
+    full = n // P
+    part = n - P * full
+    q = np.arange(n_total) - first[r]  # rank within the row, in residue order
+    class_start = np.cumsum(counts, axis=1) - counts
+    j = q - class_start[r, res]  # rank within the residue class
+
+    # The plain round-robin deal over the row's m groups (the fallback).
+    m = -(-n // P)
+    last = n - P * (m - 1)
     m_minus = np.maximum(m - 1, 1)
-    group = np.where(first, q % m, q2 % m_minus)
-    round_ = np.where(first, q // m, r + q2 // m_minus)
-    position = group * period + round_
+    dealt = q < (last * m)[r]
+    q2 = q - (last * m)[r]
+    deal_position = np.where(dealt, (q % m[r]) * P + q // m[r],
+                             (q2 % m_minus[r]) * P + last[r] + q2 // m_minus[r])
+
+    # The partial group: the last member of each of the `part` largest classes.
+    by_size = np.argsort(-counts, axis=1, kind="stable")
+    size_rank = np.empty_like(by_size)
+    np.put_along_axis(size_rank, by_size, np.arange(P)[None, :], axis=1)
+    chosen = (size_rank < part[:, None]) & (counts > 0)
+    rest = counts - chosen
+    doubles = np.minimum(np.abs(rest - full[:, None]).max(axis=1), full)
+    singles = full - doubles
+    to_doubles = rest - singles[:, None]
+    fallback = (chosen.sum(axis=1) < part) | (to_doubles.max(axis=1) > 2 * doubles)
+
+    is_partial = chosen[r, res] & (j == counts[r, res] - 1)
+    is_single = ~is_partial & (j < singles[r])
+    t = (np.cumsum(to_doubles, axis=1) - to_doubles)[r, res] + j - singles[r]
+    d = np.maximum(doubles[r], 1)
+    position = np.where(
+        is_partial, P * full[r] + (np.cumsum(chosen, axis=1) - chosen)[r, res],
+        np.where(is_single, P * (doubles[r] + j) + res, P * (t % d) + t // d))
+    position = np.where(fallback[r], deal_position, position)
     final = np.lexsort((position, rows_sorted))
     return by_residue[final]
 
