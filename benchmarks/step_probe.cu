@@ -11,8 +11,8 @@
 // tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
 // exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
-// (default) packs each row in the package's bank-aware order, 0 in column order (the probe's
-// order before session 7). Prints the median us/step
+// (default) packs each row in the package's bank-aware order, 2 in the round-robin deal the
+// package used before session 7, 0 in column order (the probe's order before session 7). Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
@@ -60,7 +60,7 @@ Config parse(const char* s) {
 // single groups (one of every residue), double groups (the rest, dealt round-robin), the
 // partial group from the largest classes; the plain round-robin deal where that cannot work.
 template <class S>
-void bank_aware_row(std::vector<int32_t>& cols, std::vector<S>& vals, size_t from) {
+void bank_aware_row(std::vector<int32_t>& cols, std::vector<S>& vals, size_t from, bool deal_only) {
   constexpr int kP = 16;
   const int n = static_cast<int>(cols.size() - from);
   if (n <= 1) return;
@@ -84,7 +84,7 @@ void bank_aware_row(std::vector<int32_t>& cols, std::vector<S>& vals, size_t fro
   for (int c = 0; c < kP; ++c) doubles = std::max(doubles, std::abs(count[c] - chosen[c] - full));
   doubles = std::min(doubles, full);
   const int singles = full - doubles;
-  bool fallback = nchosen < part;
+  bool fallback = deal_only || nchosen < part;
   int dstart[kP], cstart[kP], acc_d = 0, acc_c = 0;
   for (int c = 0; c < kP; ++c) {
     const int to_doubles = count[c] - chosen[c] - singles;
@@ -152,7 +152,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
         col_idx.push_back(col);
         vals.push_back(h16(uni(rng) * scale));
       }
-    if (c.bank) bank_aware_row(col_idx, vals, row_ptr.back());
+    if (c.bank) bank_aware_row(col_idx, vals, row_ptr.back(), c.bank == 2);
     row_ptr.push_back(static_cast<int32_t>(col_idx.size()));
   }
   const long long nnz = static_cast<long long>(col_idx.size());
