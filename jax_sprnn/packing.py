@@ -37,7 +37,8 @@ def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.nd
     classes first. (Rows where some class exceeds 2F, or too few distinct classes remain for
     the partial group, get the plain round-robin deal.) On random masks this takes the 8-byte
     gathers from 1.50-1.59x the conflict-free passes (the round-robin deal used before session
-    7) to 1.26-1.31x, against a bound of 1.22-1.27x (benchmarks/NOTES.md, session 7).
+    7) to 1.26-1.31x, against a bound of 1.22-1.27x (benchmarks/NOTES.md, session 7). The
+    time on the H200 changed by under 1% (the rows there are bound by instruction issue).
 
     How the CUDA kernel reads it (csrc/cuda/kernel_core.cuh): one warp (or half warp) per
     packed row, the row's k-th nonzero on lane k % 32 (k % 16), and h in shared memory as
