@@ -18,6 +18,11 @@ def packed_row_to_dense_column(rows: np.ndarray, hidden: int, gates: int) -> np.
     return (rows % gates) * hidden + rows // gates
 
 
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    """Per row of a (rows, classes) array: the sum over the classes before each one."""
+    return np.cumsum(a, axis=1) - a
+
+
 def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.ndarray:
     """Permutation of nonzeros (sorted by row) that spreads each row's columns over banks.
 
@@ -65,7 +70,7 @@ def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.nd
     full = n // P
     part = n - P * full
     q = np.arange(n_total) - first[r]  # rank within the row, in residue order
-    class_start = np.cumsum(counts, axis=1) - counts
+    class_start = _exclusive_cumsum(counts)
     j = q - class_start[r, res]  # rank within the residue class
 
     # The plain round-robin deal over the row's m groups (the fallback).
@@ -90,10 +95,10 @@ def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.nd
 
     is_partial = chosen[r, res] & (j == counts[r, res] - 1)
     is_single = ~is_partial & (j < singles[r])
-    t = (np.cumsum(to_doubles, axis=1) - to_doubles)[r, res] + j - singles[r]
+    t = _exclusive_cumsum(to_doubles)[r, res] + j - singles[r]
     d = np.maximum(doubles[r], 1)
     position = np.where(
-        is_partial, P * full[r] + (np.cumsum(chosen, axis=1) - chosen)[r, res],
+        is_partial, P * full[r] + _exclusive_cumsum(chosen)[r, res],
         np.where(is_single, P * (doubles[r] + j) + res, P * (t % d) + t // d))
     position = np.where(fallback[r], deal_position, position)
     final = np.lexsort((position, rows_sorted))
