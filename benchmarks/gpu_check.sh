@@ -39,11 +39,14 @@ if [ "$MODE" = probe ]; then
       -o "/tmp/step_probe_$name" > "/tmp/step_probe_$name.log" 2>&1 &
   done
   wait
-  for build in ${PROBE_BUILDS:-base=}; do
-    name="${build%%=*}"; flags="${build#*=}"
-    echo "== build $name: ${flags//,/ }" | tee -a "$OUT/probe.txt"
-    [ -x "/tmp/step_probe_$name" ] || { cat "/tmp/step_probe_$name.log"; exit 1; }
-    timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
+  # PROBE_ROUNDS: how many times the builds run in turn (interleaved A/B against clock drift).
+  for round in $(seq "${PROBE_ROUNDS:-1}"); do
+    for build in ${PROBE_BUILDS:-base=}; do
+      name="${build%%=*}"; flags="${build#*=}"
+      echo "== build $name: ${flags//,/ } (round $round)" | tee -a "$OUT/probe.txt"
+      [ -x "/tmp/step_probe_$name" ] || { cat "/tmp/step_probe_$name.log"; exit 1; }
+      timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
+    done
   done
   exit 0
 fi

@@ -554,6 +554,9 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #define SPRNN_ROW_DEPTH 4
 #endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH;
+#ifndef SPRNN_ROW_PREFETCH
+#define SPRNN_ROW_PREFETCH 0
+#endif
 
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
 // most 16 bytes of h: one vector load per nonzero), and kLPN = BT / kNV lanes share a nonzero.
@@ -591,19 +594,18 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
 #pragma unroll
   for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
   if (k1 <= n_in) {
-    int k = k0 + sl;
     // kRowDepth nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
     // The last batch is predicated rather than finished one nonzero at a time: a lane has only
     // a few nonzeros per row (ReLU H=1152, 10%: 3.6), and a remainder loop paid two dependent
     // shared-memory latencies per nonzero. (Skipped slots do no FMA: 0 * inf would be NaN.)
-    for (; k < k1; k += kRowDepth * kNS) {
-      W wq[kRowDepth];
-      bool on[kRowDepth];
+    const auto load_round = [&](int k, W (&wq)[kRowDepth], bool (&on)[kRowDepth]) {
 #pragma unroll
       for (int q = 0; q < kRowDepth; ++q) {
         on[q] = k + kNS * q < k1;
         wq[q] = on[q] ? w_s[k + kNS * q] : W{};
       }
+    };
+    const auto dot_round = [&](const W (&wq)[kRowDepth], const bool (&on)[kRowDepth]) {
       float v[kRowDepth], hv[kRowDepth][kNV];
 #pragma unroll
       for (int q = 0; q < kRowDepth; ++q) {
@@ -615,7 +617,30 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
       for (int q = 0; q < kRowDepth; ++q)
 #pragma unroll
         for (int i = 0; i < kNV; ++i) acc[i] = on[q] ? fmaf(v[q], hv[q][i], acc[i]) : acc[i];
+    };
+    W wq[kRowDepth];
+    bool on[kRowDepth];
+#if SPRNN_ROW_PREFETCH
+    // The next round's weight words are loaded before this round's gathers, so a round waits
+    // on one shared-memory latency (the gather) instead of two dependent ones.
+    load_round(k0 + sl, wq, on);
+    for (int k = k0 + sl; k < k1; k += kRowDepth * kNS) {
+      W wn[kRowDepth];
+      bool onn[kRowDepth];
+      load_round(k + kRowDepth * kNS, wn, onn);
+      dot_round(wq, on);
+#pragma unroll
+      for (int q = 0; q < kRowDepth; ++q) {
+        wq[q] = wn[q];
+        on[q] = onn[q];
+      }
     }
+#else
+    for (int k = k0 + sl; k < k1; k += kRowDepth * kNS) {
+      load_round(k, wq, on);
+      dot_round(wq, on);
+    }
+#endif
   } else {
     const S* vals = static_cast<const S*>(p.values) + kb0;
     const int32_t* col_idx = p.col_idx + kb0;
