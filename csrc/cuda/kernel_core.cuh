@@ -549,14 +549,16 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
   }
 }
 
-// Nonzeros per lane in flight in row_dot (a macro only so that the step probe can compare).
+// Nonzeros per lane in flight in row_dot's full rounds and in its last, shorter round (macros
+// only so that the step probe can compare).
 #ifndef SPRNN_ROW_DEPTH
-#define SPRNN_ROW_DEPTH 4
+#define SPRNN_ROW_DEPTH 8
 #endif
-constexpr int kRowDepth = SPRNN_ROW_DEPTH;
-#ifndef SPRNN_ROW_PREFETCH
-#define SPRNN_ROW_PREFETCH 0
+#ifndef SPRNN_ROW_TAIL_DEPTH
+#define SPRNN_ROW_TAIL_DEPTH 4
 #endif
+constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
+static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
 // most 16 bytes of h: one vector load per nonzero), and kLPN = BT / kNV lanes share a nonzero.
@@ -566,6 +568,35 @@ struct RowMap {
   static constexpr int kNV = kWide ? (kS * BT <= 16 ? BT : 16 / kS) : BT;
   static constexpr int kLPN = BT / kNV;
 };
+
+// One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
+// kPredicated, only those below k1: the others do no FMA, since 0 * inf would be NaN), all
+// weight loads first, then all gathers, then the FMAs into acc.
+template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated>
+__device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
+                                          const typename Tr<D>::S* h_s, int H, int k, int k1,
+                                          int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
+  using T = Tr<D>;
+  constexpr int kNV = RowMap<D, BT, kWide>::kNV;
+  typename T::W wq[kDepth];
+  bool on[kDepth];
+#pragma unroll
+  for (int q = 0; q < kDepth; ++q) {
+    on[q] = !kPredicated || k + kNS * q < k1;
+    wq[q] = on[q] ? w_s[k + kNS * q] : typename T::W{};
+  }
+  float v[kDepth], hv[kDepth][kNV];
+#pragma unroll
+  for (int q = 0; q < kDepth; ++q) {
+    int col;
+    T::unpack_w(wq[q], v[q], col);
+    gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
+  }
+#pragma unroll
+  for (int q = 0; q < kDepth; ++q)
+#pragma unroll
+    for (int i = 0; i < kNV; ++i) acc[i] = on[q] ? fmaf(v[q], hv[q][i], acc[i]) : acc[i];
+}
 
 // Step 2 for one row, by a group of kGroup lanes (a whole warp, or half of one: see
 // compute_rows): the dot products of the row's nonzeros [k0, k1) (offsets
@@ -594,53 +625,18 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
 #pragma unroll
   for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
   if (k1 <= n_in) {
-    // kRowDepth nonzeros per lane in flight: all weight loads, then all gathers, then FMAs.
-    // The last batch is predicated rather than finished one nonzero at a time: a lane has only
-    // a few nonzeros per row (ReLU H=1152, 10%: 3.6), and a remainder loop paid two dependent
-    // shared-memory latencies per nonzero. (Skipped slots do no FMA: 0 * inf would be NaN.)
-    const auto load_round = [&](int k, W (&wq)[kRowDepth], bool (&on)[kRowDepth]) {
-#pragma unroll
-      for (int q = 0; q < kRowDepth; ++q) {
-        on[q] = k + kNS * q < k1;
-        wq[q] = on[q] ? w_s[k + kNS * q] : W{};
-      }
-    };
-    const auto dot_round = [&](const W (&wq)[kRowDepth], const bool (&on)[kRowDepth]) {
-      float v[kRowDepth], hv[kRowDepth][kNV];
-#pragma unroll
-      for (int q = 0; q < kRowDepth; ++q) {
-        int col;
-        T::unpack_w(wq[q], v[q], col);
-        gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
-      }
-#pragma unroll
-      for (int q = 0; q < kRowDepth; ++q)
-#pragma unroll
-        for (int i = 0; i < kNV; ++i) acc[i] = on[q] ? fmaf(v[q], hv[q][i], acc[i]) : acc[i];
-    };
-    W wq[kRowDepth];
-    bool on[kRowDepth];
-#if SPRNN_ROW_PREFETCH
-    // The next round's weight words are loaded before this round's gathers, so a round waits
-    // on one shared-memory latency (the gather) instead of two dependent ones.
-    load_round(k0 + sl, wq, on);
-    for (int k = k0 + sl; k < k1; k += kRowDepth * kNS) {
-      W wn[kRowDepth];
-      bool onn[kRowDepth];
-      load_round(k + kRowDepth * kNS, wn, onn);
-      dot_round(wq, on);
-#pragma unroll
-      for (int q = 0; q < kRowDepth; ++q) {
-        wq[q] = wn[q];
-        on[q] = onn[q];
-      }
+    // Rounds of kRowDepth nonzeros per lane in flight (all weight loads, then all gathers, then
+    // the FMAs) while the row has that many left; then one predicated round of kRowDepth or
+    // kRowTailDepth by what is left: long rows pay fewer dependent shared-memory latencies,
+    // short ones (ReLU H=1152, 10%: 3.6 nonzeros per lane) no more slots than they need.
+    int k = k0 + sl;
+    for (; k + (kRowDepth - 1) * kNS < k1; k += kRowDepth * kNS)
+      dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, k, k1, b0, acc);
+    if (k + kRowTailDepth * kNS < k1) {
+      dot_round<D, BT, kWide, kNS, kRowDepth, true>(w_s, h_s, H, k, k1, b0, acc);
+    } else if (k < k1) {
+      dot_round<D, BT, kWide, kNS, kRowTailDepth, true>(w_s, h_s, H, k, k1, b0, acc);
     }
-#else
-    for (int k = k0 + sl; k < k1; k += kRowDepth * kNS) {
-      load_round(k, wq, on);
-      dot_round(wq, on);
-    }
-#endif
   } else {
     const S* vals = static_cast<const S*>(p.values) + kb0;
     const int32_t* col_idx = p.col_idx + kb0;
