@@ -629,13 +629,15 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
     // the FMAs) while the row has that many left; then one predicated round of kRowDepth or
     // kRowTailDepth by what is left: long rows pay fewer dependent shared-memory latencies,
     // short ones (ReLU H=1152, 10%: 3.6 nonzeros per lane) no more slots than they need.
-    int k = k0 + sl;
-    for (; k + (kRowDepth - 1) * kNS < k1; k += kRowDepth * kNS)
-      dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, k, k1, b0, acc);
-    if (k + kRowTailDepth * kNS < k1) {
-      dot_round<D, BT, kWide, kNS, kRowDepth, true>(w_s, h_s, H, k, k1, b0, acc);
-    } else if (k < k1) {
-      dot_round<D, BT, kWide, kNS, kRowTailDepth, true>(w_s, h_s, H, k, k1, b0, acc);
+    // The choices depend on the group's position kr only, not on the lane's slice, so a group
+    // never diverges (lanes of one row differ by one nonzero at most).
+    int kr = k0;
+    for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
+      dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
+    if (k1 - kr > kRowTailDepth * kNS) {
+      dot_round<D, BT, kWide, kNS, kRowDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
+    } else if (kr < k1) {
+      dot_round<D, BT, kWide, kNS, kRowTailDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
     }
   } else {
     const S* vals = static_cast<const S*>(p.values) + kb0;
