@@ -68,6 +68,7 @@ if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first laun
     ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
     ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
     python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 160 > "$OUT/sass_top_$i.txt" 2>&1
+    gzip -c "/tmp/sass_$i.csv" > "$OUT/sass_$i.csv.gz"  # every line, for reading the SASS around a hot spot
     head -3 "$OUT/sass_top_$i.txt" | tee -a "$OUT/profile_summary.txt"
     grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Mem Busy|Max Bandwidth" \
       "$OUT/details_$i.txt" | tee -a "$OUT/profile_summary.txt"
