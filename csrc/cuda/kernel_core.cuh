@@ -557,11 +557,7 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #ifndef SPRNN_ROW_TAIL_DEPTH
 #define SPRNN_ROW_TAIL_DEPTH 4
 #endif
-#ifndef SPRNN_ROW_LONG_DEPTH
-#define SPRNN_ROW_LONG_DEPTH 0
-#endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
-constexpr int kRowLongDepth = SPRNN_ROW_LONG_DEPTH;  // if > kRowDepth: such rounds come first
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
@@ -636,10 +632,6 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
     // The choices depend on the group's position kr only, not on the lane's slice, so a group
     // never diverges (lanes of one row differ by one nonzero at most).
     int kr = k0;
-    if constexpr (kRowLongDepth > kRowDepth) {
-      for (; kr + kRowLongDepth * kNS <= k1; kr += kRowLongDepth * kNS)
-        dot_round<D, BT, kWide, kNS, kRowLongDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
-    }
     for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
       dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
     if (k1 - kr > kRowTailDepth * kNS) {
