@@ -614,7 +614,6 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
-  using W = typename T::W;
   using M = RowMap<D, BT, kWide>;
   constexpr int kNV = M::kNV, kLPN = M::kLPN, kNS = kGroup / kLPN;
   static_assert(kGroup == 32 || kGroup == 16, "whole or half warps");
