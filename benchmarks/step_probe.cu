@@ -6,13 +6,15 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank]]]]],
+// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct]]]]]],
 // B = 4 (one
 // tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
 // exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
 // (default) packs each row in the package's bank-aware order, 2 in the round-robin deal the
-// package used before session 7, 0 in column order (the probe's order before session 7). Prints the median us/step
+// package used before session 7, 0 in column order (the probe's order before session 7);
+// wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
+// and the carve-out to match, leaving the SM's other memory to L1. Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
@@ -38,15 +40,16 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 struct Config {
   std::string cell;
   int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
-      bank = 1;
+      bank = 1, wcap_pct = 0;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
-                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.bank) < 6) {
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
+                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.bank,
+                  &c.wcap_pct) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -170,6 +173,10 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   const long long avail = smem_optin - 256;
   const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4);
   p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / 4, 1LL << 30));
+  // wcap_pct > 0: room for that percentage of a block's average nonzeros only, and the shared
+  // memory carve-out no larger than needed, so the rest of the SM's 256 KB is L1 (where the
+  // 1024-thread build's register spills can stay).
+  if (c.wcap_pct > 0) p.w_cap = static_cast<int>(std::min<long long>(p.w_cap, nnz / nb * c.wcap_pct / 100));
   const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
   p.timeout_ns = 5000000000LL;
   p.col_filter = c.filter;
@@ -209,6 +216,12 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
 
   auto fn = &persistent_fwd<kCell, DType::kF16, kBT, true>;
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (c.wcap_pct > 0) {
+    int smem_sm = 0;
+    CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    const int carveout = static_cast<int>(std::min<long long>(100, (smem + 1024) * 100 / smem_sm + 1));
+    CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
+  }
   unsigned long long* trace = static_cast<unsigned long long*>(zeros(static_cast<size_t>(kT) * nb * 8 * 8));
   CHECK(cudaMemcpyToSymbol(g_probe_mode, &c.mode, sizeof(int)));
   cudaEvent_t e0, e1;
