@@ -881,8 +881,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kRPU = BT / kRW;
   constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
   // Chunks in flight per thread: up to 128 bytes (more made ptxas spill).
-  constexpr int kFlight = 32 / kXWords;
-  constexpr int K = kFlight < 1 ? 1 : (kFlight > 8 ? 8 : kFlight);
+#ifndef SPRNN_GATHER_WORDS
+#define SPRNN_GATHER_WORDS 32
+#endif
+  constexpr int kFlight = SPRNN_GATHER_WORDS / kXWords;
+  constexpr int K = kFlight < 1 ? 1 : (kFlight > SPRNN_GATHER_WORDS / 4 ? SPRNN_GATHER_WORDS / 4 : kFlight);
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h
