@@ -880,7 +880,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
-  // Chunks in flight per thread: up to 128 bytes (more made ptxas spill).
+  // Chunks in flight per thread: up to 128 bytes (SPRNN_GATHER_WORDS 32-bit words; a macro
+  // only so that the step probe can compare). A big layer's gather is bound by the bytes in
+  // flight: 256 bytes (64 words, 127 registers) cut ReLU H=5760's gather from 2.43 to 1.97
+  // us/step but slowed every other layer by 3-14% (benchmarks/NOTES.md, session 8).
 #ifndef SPRNN_GATHER_WORDS
 #define SPRNN_GATHER_WORDS 32
 #endif
