@@ -6,7 +6,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:pad_rows]]]]]]],
+// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct]]]]]],
 // B = 4 (one
 // tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
@@ -40,16 +40,16 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 struct Config {
   std::string cell;
   int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
-      bank = 1, wcap_pct = 0, pad_rows = 0;
+      bank = 1, wcap_pct = 0;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density,
-                  &c.threads, &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb,
-                  &c.bank, &c.wcap_pct, &c.pad_rows) < 6) {
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
+                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.bank,
+                  &c.wcap_pct) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -156,13 +156,6 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
         vals.push_back(h16(uni(rng) * scale));
       }
     if (c.bank) bank_aware_row(col_idx, vals, row_ptr.back(), c.bank == 2);
-    // pad_rows: zero-weight nonzeros (column 0) until the row's length is 16 mod 32, so that the
-    // two rows of a warp's halves start 16 words apart in shared memory (distinct banks for
-    // their weight loads). A test of the idea only: the padding adds work.
-    while (c.pad_rows && (col_idx.size() - row_ptr.back()) % 32 != 16) {
-      col_idx.push_back(0);
-      vals.push_back(0);
-    }
     row_ptr.push_back(static_cast<int32_t>(col_idx.size()));
   }
   const long long nnz = static_cast<long long>(col_idx.size());
