@@ -560,6 +560,15 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
+// 32-bit words of h each thread has in flight in the gather (a macro only so that the step
+// probe can compare). A big layer's gather is bound by these bytes in flight: 64 words (127
+// registers) cut ReLU H=5760's gather from 2.43 to 1.97 us/step but slowed every other layer
+// by 3-14% (benchmarks/NOTES.md, session 8).
+#ifndef SPRNN_GATHER_WORDS
+#define SPRNN_GATHER_WORDS 32
+#endif
+constexpr int kGatherWords = SPRNN_GATHER_WORDS;
+
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
 // most 16 bytes of h: one vector load per nonzero), and kLPN = BT / kNV lanes share a nonzero.
 template <DType D, int BT, bool kWide>
@@ -880,15 +889,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
-  // Chunks in flight per thread: up to 128 bytes (SPRNN_GATHER_WORDS 32-bit words; a macro
-  // only so that the step probe can compare). A big layer's gather is bound by the bytes in
-  // flight: 256 bytes (64 words, 127 registers) cut ReLU H=5760's gather from 2.43 to 1.97
-  // us/step but slowed every other layer by 3-14% (benchmarks/NOTES.md, session 8).
-#ifndef SPRNN_GATHER_WORDS
-#define SPRNN_GATHER_WORDS 32
-#endif
-  constexpr int kFlight = SPRNN_GATHER_WORDS / kXWords;
-  constexpr int K = kFlight < 1 ? 1 : (kFlight > SPRNN_GATHER_WORDS / 4 ? SPRNN_GATHER_WORDS / 4 : kFlight);
+  // Chunks in flight per thread: up to kGatherWords 32-bit words (128 bytes), at most 8 chunks.
+  constexpr int kFlight = kGatherWords / kXWords;
+  constexpr int K = kFlight < 1 ? 1 : (kFlight > kGatherWords / 4 ? kGatherWords / 4 : kFlight);
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h
