@@ -87,9 +87,10 @@ if [ "$MODE" = verify ]; then
   # The whole GPU kernel test file in six concurrent processes (their time is mostly JAX
   # compiling on the host), then the targets table (BENCH_ARGS=none: tests only).
   REPO="$(pwd)"
-  parts=("test_kernel_matches_oracle and rnn" "test_kernel_matches_oracle and lstm"
-         "test_kernel_matches_oracle and gru" "test_two_rows or test_batch_groups" "test_cluster"
-         "not (test_kernel_matches_oracle or test_two_rows or test_batch_groups or test_cluster)")
+  parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
+         "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
+         "test_two_rows or test_batch_groups" "test_cluster"
+         "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster)")
   for i in "${!parts[@]}"; do
     (cd /tmp && timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider \
        "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &

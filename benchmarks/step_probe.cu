@@ -6,7 +6,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct]]]]]],
+// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep]]]]]]],
 // B = 4 (one
 // tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
@@ -14,7 +14,8 @@
 // (default) packs each row in the package's bank-aware order, 2 in the round-robin deal the
 // package used before session 7, 0 in column order (the probe's order before session 7);
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
-// and the carve-out to match, leaving the SM's other memory to L1. Prints the median us/step
+// and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
+// build (kernel_core.cuh gather_words). Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
@@ -40,16 +41,16 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 struct Config {
   std::string cell;
   int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
-      bank = 1, wcap_pct = 0;
+      bank = 1, wcap_pct = 0, deep = 0;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density, &c.threads,
-                  &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb, &c.bank,
-                  &c.wcap_pct) < 6) {
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density,
+                  &c.threads, &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb,
+                  &c.bank, &c.wcap_pct, &c.deep) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -214,7 +215,8 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.counters = reinterpret_cast<unsigned int*>(ws + 256);
   p.xbuf = ws + 512 + 1024ull * c.xbuf_kb;
 
-  auto fn = &persistent_fwd<kCell, DType::kF16, kBT, true>;
+  auto fn = c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
+                   : &persistent_fwd<kCell, DType::kF16, kBT, true>;
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   if (c.wcap_pct > 0) {
     int smem_sm = 0;

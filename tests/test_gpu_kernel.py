@@ -233,6 +233,43 @@ def test_batch_groups(cell, dtype, monkeypatch):
     check(cell, dtype, (5, 17, 300, 0.2, "skewed"), 3, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_deep_gather(cell, dtype, monkeypatch):
+    # The tile-4 build with twice the h bytes in flight per thread (launch.cuh, handlers.cu):
+    # by default where a block's gather needs more than one round (a large H), and forced on
+    # every shape (tiles other than 4 ignore it) with SPRNN_CUDA_DEEP_GATHER=1.
+    check(cell, dtype, (3, 4, 4608 if cell == "rnn" else 2304, 0.05, "skewed"), 3, 1)
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
+    for n, shape in enumerate(SHAPES):
+        check(cell, dtype, shape, 3, n)
+    monkeypatch.setenv("SPRNN_CUDA_THREADS", "128")  # a gather of several deep rounds
+    check(cell, dtype, (4, 4, 2304, 0.05, "uniform"), 3, 2)
+
+
+def test_deep_gather_plans(monkeypatch):
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    h200 = dict(sms=132, smem_optin=232448, cc_major=9)
+
+    def deep(cell, dtype, H, B=4, d=0.1):
+        gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
+        info = cuda_lowering.plan(cell, dtype, H, B, int(d * gates * H * H), **h200)
+        return info["deep_gather"], info
+
+    # 512 threads x 8 chunks (16-bit) or x 4 chunks (float32) cover H units in one round.
+    assert deep("rnn", jnp.float16, 5760)[0], deep("rnn", jnp.float16, 5760)[1]
+    assert not deep("rnn", jnp.float16, 1152)[0]
+    assert not deep("lstm", jnp.float16, 4096)[0]  # exactly one round
+    assert not deep("rnn", jnp.float16, 2304, d=0.3)[0]
+    assert deep("rnn", jnp.float32, 2304)[0]
+    assert not deep("rnn", jnp.float16, 5760, B=1)[0]  # tile 1: no deep build
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "0")
+    assert not deep("rnn", jnp.float16, 5760)[0]
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
+    assert deep("rnn", jnp.float16, 1152)[0]
+
+
 @pytest.mark.parametrize("cell", CELLS)
 def test_block_local_weights_long_sequence(cell):
     # A banded matrix: a block's rows read only its own and neighbouring units, so with the

@@ -49,6 +49,8 @@ def instantiations():
                              f"sprnn::cuda::DType::{dt}, {bt}, true>")
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, 4, false>")
+            names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                         f"sprnn::cuda::DType::{dt}, 4, true, true>")  # the deep gather
             for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
                 names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
                              f"sprnn::cuda::DType::{dt}, {bt}>")

@@ -79,6 +79,7 @@ struct Plan {
   int alpha = 1, u_cap = 0;
   int cluster = 0;  // > 0: the cluster kernel with clusters of this many CTAs, one per tile
   int groups = 1;   // > 1: batch groups (Params::groups), nb / groups blocks per tile
+  bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
@@ -282,6 +283,16 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     best.threads = static_cast<int>(32 * std::clamp<long long>(rows + 3, 8, kPersistentThreads / 32));
   }
   best.threads = std::min(best.threads, kPersistentThreads);
+  // The deep-gather build where a block's gather of the tile-4 h needs more than one round of
+  // the default depth (kernel_core.cuh gather_words; chunk = 4 tagged words of x_bytes):
+  // ReLU H=5760 fp16 5.88 -> 5.56 us/step in the step probe, while the layers that need one
+  // round lose 3-14% with it (benchmarks/NOTES.md, session 8). SPRNN_CUDA_DEEP_GATHER=0/1
+  // forces it off/on (tile 4 of the Lamport variant only).
+  if (best.persistent && best.wide && best.lamport && best.bt == 4) {
+    const long long chunks = std::min<long long>(8, gather_words(false) / x_bytes_of(dtype));
+    const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
+    best.deep_gather = knob >= 0 ? knob != 0 : H > best.threads * chunks;
+  }
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
@@ -387,11 +398,11 @@ cudaError_t ensure_smem(KernelFn fn, long long smem) {
   return cudaSuccess;
 }
 
-KernelFn pick_persistent(Cell cell, int dtype, int bt, bool wide) {
+KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
   switch (cell) {
-    case Cell::kLstm: return pick_persistent_lstm(dtype, bt, wide);
-    case Cell::kGru: return pick_persistent_gru(dtype, bt, wide);
-    default: return pick_persistent_rnn(dtype, bt, wide);
+    case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather);
+    case Cell::kGru: return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather);
+    default: return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather);
   }
 }
 
@@ -622,7 +633,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     }
   }
   if (!launched && pl.persistent && pl.cluster == 0) {
-    KernelFn fn = pick_persistent(cell, dtype, pl.bt, pl.wide);
+    KernelFn fn = pick_persistent(cell, dtype, pl);
     int occ = 0;
     cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
     if (e == cudaSuccess)
@@ -815,6 +826,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["batch_tile"] = pl.bt;
   r["tiles"] = pl.ntiles;
   r["groups"] = pl.groups;
+  r["deep_gather"] = pl.deep_gather;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
   r["units_cap"] = pl.u_cap;

@@ -560,14 +560,13 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
-// 32-bit words of h each thread has in flight in the gather (a macro only so that the step
-// probe can compare). A big layer's gather is bound by these bytes in flight: 64 words (127
-// registers) cut ReLU H=5760's gather from 2.43 to 1.97 us/step but slowed every other layer
-// by 3-14% (benchmarks/NOTES.md, session 8).
-#ifndef SPRNN_GATHER_WORDS
-#define SPRNN_GATHER_WORDS 32
-#endif
-constexpr int kGatherWords = SPRNN_GATHER_WORDS;
+// 32-bit words of h each thread has in flight in the gather: 32 (128 bytes), or twice that in
+// the deep-gather build of a tile (persistent_fwd's kDeepGather). A big layer's gather is bound
+// by these bytes in flight: 64 words (up to 128 registers, no spills) cut ReLU H=5760's gather
+// from 2.43 to 1.97 us/step, but built into every kernel they slowed every other layer by 3-14%
+// (benchmarks/NOTES.md, session 8); the planner picks the deep build per layer (handlers.cu).
+constexpr int kGatherWords = 32;
+__host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kGatherWords : kGatherWords; }
 
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
 // most 16 bytes of h: one vector load per nonzero), and kLPN = BT / kNV lanes share a nonzero.
@@ -873,7 +872,7 @@ constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
-template <Cell kCell, DType D, int BT, bool kWide>
+template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -889,9 +888,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
-  // Chunks in flight per thread: up to kGatherWords 32-bit words (128 bytes), at most 8 chunks.
-  constexpr int kFlight = kGatherWords / kXWords;
-  constexpr int K = kFlight < 1 ? 1 : (kFlight > kGatherWords / 4 ? kGatherWords / 4 : kFlight);
+  // Chunks in flight per thread: up to gather_words 32-bit words (128 or 256 bytes), at most
+  // 8 or 16 chunks.
+  constexpr int kWords = gather_words(kDeepGather);
+  constexpr int kFlight = kWords / kXWords;
+  constexpr int K = kFlight < 1 ? 1 : (kFlight > kWords / 4 ? kWords / 4 : kFlight);
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h

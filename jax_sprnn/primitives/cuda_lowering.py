@@ -83,7 +83,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
 
     Keys include ``persistent`` (False: per-step fallback), ``variant``, ``cluster`` (CTAs per
     cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``tiles``, ``groups`` (> 1: the
-    tiles run at once, each on blocks / groups blocks), ``blocks``,
+    tiles run at once, each on blocks / groups blocks), ``deep_gather`` (the tile-4 kernel with
+    twice the h bytes in flight per thread, for layers whose gather needs more), ``blocks``,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
