@@ -96,9 +96,12 @@ if [ "$MODE" = verify ]; then
        "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &
   done
   wait
-  tail -n 2 "$OUT"/test_gpu_*.log
+  # One summary file (only 8 files come back from a device call) and printed last as well.
+  for f in "$OUT"/test_gpu_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done > "$OUT/summary_tests.txt"
+  cat "$OUT/summary_tests.txt"
   if [ "${BENCH_ARGS:-}" != none ]; then
     timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
+    cat "$OUT/summary_tests.txt"
   fi
 fi
 if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
