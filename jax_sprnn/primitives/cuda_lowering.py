@@ -36,7 +36,9 @@ run at once, each on its own blocks holding the whole layer (at most 128 rows pe
 without them every block runs every tile in turn. Threads per
 block: a warp per row of the block plus three, 8 to 16 warps (the kernel is built for 512);
 where a block has more rows than warps but at most twice as many, each warp takes two rows
-side by side (half a warp each). The 16-bit cells use hardware exp2 / reciprocal for exp,
+side by side (half a warp each). With a batch tile of 4, a layer whose gather of h needs more
+than one round of loads per thread (16-bit H > 4096, float32 H > 2048 at 512 threads) runs a
+build with twice the h bytes in flight per thread (the plan's ``deep_gather``). The 16-bit cells use hardware exp2 / reciprocal for exp,
 tanh and sigmoid (about 1e-7 absolute error); float32 uses CUDA's accurate expf / tanhf and a
 reciprocal refined by one Newton step in the sigmoid (about 1 ulp).
 Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT`` (forced tile,
@@ -46,7 +48,8 @@ no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
 ``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
 ``SPRNN_CUDA_ROW_LANES`` (lanes per row; variants 0-4: 16 or 32 forces half or whole warps,
-variant 5: default from the row length).
+variant 5: default from the row length), ``SPRNN_CUDA_DEEP_GATHER`` (0 / 1 forces the deep
+gather off / on for batch tiles of 4).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
