@@ -1,0 +1,61 @@
+"""The CUDA kernel's placement planner (csrc/cuda/handlers.cu make_plan) for a hypothetical
+H200 (132 SMs, 227 KB of shared memory per block, sm_90): host code, so it runs without a GPU
+wherever the CUDA extension was built (CI builds it with nvcc).
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from jax_sprnn import _ffi
+
+pytestmark = pytest.mark.skipif(_ffi.cuda_module is None, reason="needs _sprnn_cuda (nvcc)")
+
+if _ffi.cuda_module is not None:
+    from jax_sprnn.primitives import cuda_lowering
+
+
+def test_cluster_plans():
+    h200 = dict(sms=132, smem_optin=232448, cc_major=9, variant=5)
+    nnz = int(0.1 * 1152 * 1152)
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **h200)
+    got = (info["variant"], info["cluster"], info["batch_tile"], info["blocks"])
+    assert got == (5, 16, 4, 16), info
+    assert info["persistent"] and info["on_chip"] and not info["reason"], info
+    # LSTM H=1024 d=10% fp16 (1.7 MB of nonzeros) fits 16 CTAs; B=64 runs 4 clusters of 16.
+    lstm_nnz = int(0.1 * 1024 * 4096)
+    assert cuda_lowering.plan("lstm", jnp.float16, 1024, 4, lstm_nnz, **h200)["variant"] == 5
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, nnz, **h200)
+    got = (info["variant"], info["batch_tile"], info["tiles"], info["blocks"])
+    assert got == (5, 16, 4, 64), info
+    # Too large for one cluster, or no clusters: the grid plan (variant 5 says why).
+    big = int(0.1 * 4096 * 4 * 4096)
+    info = cuda_lowering.plan("lstm", jnp.float16, 4096, 4, big, **h200)
+    assert info["variant"] == 3 and "variant 5" in info["reason"], info
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **dict(h200, cc_major=8))
+    assert info["variant"] == 3 and "9.0" in info["reason"], info
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, max_cluster=8, **h200)
+    assert info["cluster"] == 8, info
+    # The default never picks clusters (measured slower, benchmarks/NOTES.md).
+    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, sms=132, smem_optin=232448,
+                              cc_major=9)["variant"] == 3
+
+
+def test_deep_gather_plans(monkeypatch):
+    h200 = dict(sms=132, smem_optin=232448, cc_major=9)
+
+    def deep(cell, dtype, H, B=4, d=0.1):
+        gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
+        info = cuda_lowering.plan(cell, dtype, H, B, int(d * gates * H * H), **h200)
+        return info["deep_gather"], info
+
+    # 512 threads x 8 chunks (16-bit) or x 4 chunks (float32) cover H units in one round.
+    assert deep("rnn", jnp.float16, 5760)[0], deep("rnn", jnp.float16, 5760)[1]
+    assert not deep("rnn", jnp.float16, 1152)[0]
+    assert not deep("lstm", jnp.float16, 4096)[0]  # exactly one round
+    assert not deep("rnn", jnp.float16, 2304, d=0.3)[0]
+    assert deep("rnn", jnp.float32, 2304)[0]
+    assert not deep("rnn", jnp.float16, 5760, B=1)[0]  # tile 1: no deep build
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "0")
+    assert not deep("rnn", jnp.float16, 5760)[0]
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
+    assert deep("rnn", jnp.float16, 1152)[0]
