@@ -6,8 +6,11 @@
 // balanced across blocks. Its nonzeros (value, column) are copied once into shared memory (as
 // many as fit; rows that do not fit are read from global memory/L2 every step). Per step and per
 // batch tile of BT sequences, every block:
-//   1. gathers h_{s-1} (H x BT) from the exchange buffer in global memory into shared memory,
-//   2. computes its rows' dot products (one warp per packed row, lanes split the nonzeros,
+//   1. gathers h_{s-1} (H x BT) from the exchange buffer in global memory into shared memory
+//      (rounds of loads held in registers; the deep-gather build of tile 4 holds twice as many,
+//      for layers whose gather needs more than one round),
+//   2. computes its rows' dot products (one warp per packed row, or half a warp; lanes split
+//      the nonzeros in rounds of 8 per lane, then one of 8 or 4;
 //      float32 accumulation, warp-shuffle reduction; for tiles wider than 16 bytes of h per
 //      lane, i.e. BT = 16, 32, 64 and float32 8, BT / kNV lanes share each nonzero, each with kNV
 //      batch columns: the "batch lanes" mapping, same code with other constants),
