@@ -6,9 +6,9 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
-// Each argument: cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep]]]]]]],
-// B = 4 (one
-// tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
+// Each argument:
+//   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep]]]]]]],
+// B = 4 (one tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
 // exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
 // (default) packs each row in the package's bank-aware order, 2 in the round-robin deal the
@@ -305,11 +305,11 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       h.swap(hn);
     }
   }
-  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d nnz=%lld smem=%lld | %.3f us/step | "
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
               "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
-              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, nnz, smem, us_step,
+              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");

@@ -14,6 +14,19 @@ if _ffi.cuda_module is not None:
     from jax_sprnn.primitives import cuda_lowering
 
 
+def test_batch_group_plans():
+    # The default's batch groups: the most that keep tiles of 4+ and <= 128 rows per block.
+    for cell, H, d, B, groups, bt in [("rnn", 1152, 0.1, 4, 1, 4), ("rnn", 1152, 0.1, 8, 2, 4),
+                                      ("rnn", 1152, 0.1, 16, 4, 4), ("rnn", 1152, 0.1, 64, 8, 8),
+                                      ("lstm", 1024, 0.1, 64, 4, 16),
+                                      ("rnn", 2304, 0.3, 64, 1, 32)]:  # too big to replicate
+        gates = 4 if cell == "lstm" else 1
+        info = cuda_lowering.plan(cell, jnp.float16, H, B, int(d * H * H * gates), variant=3,
+                                  sms=132, smem_optin=232448, cc_major=9)
+        assert (info["groups"], info["batch_tile"]) == (groups, bt), (cell, H, B, info)
+        assert info["on_chip"] and info["blocks"] == 132 // groups * groups, info
+
+
 def test_cluster_plans():
     h200 = dict(sms=132, smem_optin=232448, cc_major=9, variant=5)
     nnz = int(0.1 * 1152 * 1152)

@@ -159,16 +159,7 @@ def test_large_batch_tile_plans(monkeypatch):
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     nnz = int(0.1 * 1152 * 1152)
-    # The default's batch groups: the most that keep tiles of 4+ and <= 128 rows per block.
-    for cell, H, d, B, groups, bt in [("rnn", 1152, 0.1, 4, 1, 4), ("rnn", 1152, 0.1, 8, 2, 4),
-                                      ("rnn", 1152, 0.1, 16, 4, 4), ("rnn", 1152, 0.1, 64, 8, 8),
-                                      ("lstm", 1024, 0.1, 64, 4, 16),
-                                      ("rnn", 2304, 0.3, 64, 1, 32)]:  # too big to replicate
-        gates = 4 if cell == "lstm" else 1
-        info = cuda_lowering.plan(cell, jnp.float16, H, B, int(d * H * H * gates), variant=3,
-                                  sms=132, smem_optin=232448, cc_major=9)
-        assert (info["groups"], info["batch_tile"]) == (groups, bt), (cell, H, B, info)
-        assert info["on_chip"] and info["blocks"] == 132 // groups * groups, info
+    # (The default's batch groups on an H200: tests/test_cuda_plans.py.)
     monkeypatch.setenv("SPRNN_CUDA_GROUPS", "1")  # below: the tile choice alone
     for dtype, B, bt, tiles in [(jnp.float16, 8, 8, 1), (jnp.float16, 9, 16, 1),
                                 (jnp.float16, 17, 32, 1), (jnp.float16, 33, 64, 1),

@@ -571,6 +571,16 @@ static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 constexpr int kGatherWords = 32;
 __host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kGatherWords : kGatherWords; }
 
+// Chunks of h each thread has in flight per gather round (persistent_fwd's K; the planner's
+// deep-gather rule uses it too) for tagged words of x_bytes and tile bt: a chunk is a unit's bt
+// words or 32 bytes of them, a round at most gather_words(deep) words and gather_words / 4
+// chunks.
+__host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
+  const int chunk_words = (x_bytes * bt <= 32 ? x_bytes * bt : 32) / 4;
+  const int flight = gather_words(deep) / chunk_words;
+  return flight < 1 ? 1 : (flight > gather_words(deep) / 4 ? gather_words(deep) / 4 : flight);
+}
+
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
 // most 16 bytes of h: one vector load per nonzero), and kLPN = BT / kNV lanes share a nonzero.
 template <DType D, int BT, bool kWide>
@@ -890,12 +900,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kCPU = BT / kCW;
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
-  constexpr int kXWords = static_cast<int>(sizeof(X)) * kCW / 4;  // 32-bit words per chunk
-  // Chunks in flight per thread: up to gather_words 32-bit words (128 or 256 bytes), at most
-  // 8 or 16 chunks.
-  constexpr int kWords = gather_words(kDeepGather);
-  constexpr int kFlight = kWords / kXWords;
-  constexpr int K = kFlight < 1 ? 1 : (kFlight > kWords / 4 ? kWords / 4 : kFlight);
+  // Chunks in flight per thread: up to 128 bytes, or 256 in the deep-gather build.
+  constexpr int K = gather_chunks(static_cast<int>(sizeof(X)), BT, kDeepGather);
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h

@@ -38,9 +38,10 @@ block: a warp per row of the block plus three, 8 to 16 warps (the kernel is buil
 where a block has more rows than warps but at most twice as many, each warp takes two rows
 side by side (half a warp each). With a batch tile of 4, a layer whose gather of h needs more
 than one round of loads per thread (16-bit H > 4096, float32 H > 2048 at 512 threads) runs a
-build with twice the h bytes in flight per thread (the plan's ``deep_gather``). The 16-bit cells use hardware exp2 / reciprocal for exp,
-tanh and sigmoid (about 1e-7 absolute error); float32 uses CUDA's accurate expf / tanhf and a
-reciprocal refined by one Newton step in the sigmoid (about 1 ulp).
+build with twice the h bytes in flight per thread (the plan's ``deep_gather``). The 16-bit
+cells use hardware exp2 / reciprocal for exp, tanh and sigmoid (about 1e-7 absolute error);
+float32 uses CUDA's accurate expf / tanhf and a reciprocal refined by one Newton step in the
+sigmoid (about 1 ulp).
 Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT`` (forced tile,
 no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS`` (at most 512),
