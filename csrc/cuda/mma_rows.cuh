@@ -1,0 +1,176 @@
+// Dense tensor-core rows for 16-bit layers that fit on chip as dense tiles (the planner's `mma`
+// plans, sm_80+; included by kernel_core.cuh, whose persistent_fwd<..., kMma = true> uses it).
+//
+// Why dense: a small layer's sparse rows are bound by latency and instruction issue (weight
+// load, unpack, gather, four conversions and FMAs per nonzero and lane; benchmarks/NOTES.md),
+// while one mma.sync m16n8k16 does 16 rows x 16 units x 8 batch columns with float32
+// accumulation. At 10% density and above, a block's rows as a dense 16-bit tile are a few
+// times the bytes of its packed nonzeros and still fit in shared memory for the layers whose
+// step the rows dominate (ReLU H=1152..2304, LSTM H=1024). Pruned entries are zeros in the
+// tile, so the sums are those of the sparse rows (up to float32 summation order), except that
+// an infinite h then gives NaN in every row, as a dense matmul does.
+//
+// Layouts (16-bit elements):
+// - h tile, batch-major: h_t[b * mma_h_stride(H) + u], units [H, 32 * kpairs) zero. The stride
+//   is 64 bytes mod 128, so a B-fragment load (4 or 8 batch rows x 64 bytes) takes the minimum
+//   number of shared-memory wavefronts.
+// - weights, fragment-major: the block's rows in tiles of 16 (mt) and its units in pairs of
+//   k-tiles of 32 units (kp); per (mt, kp) two halves (rows 0-7, rows 8-15) of 32 lanes x 8
+//   elements, lane (g, c) = (lane / 4, lane % 4) holding row g (+ 8) at units
+//   32 kp + 8 c + e, e = 0..7. Each lane loads its 16 bytes (conflict-free) and they are the A
+//   fragments of both k-tiles, because the k order inside a k-tile is permuted: the mma's
+//   k = 2c, 2c + 1, 2c + 8, 2c + 9 of k-tile t are units 8c + 4t + 0..3. The h tile's lane
+//   (g, c) reads the same 8 units of batch row g: the B fragments of both k-tiles.
+#pragma once
+
+namespace sprnn {
+namespace cuda {
+
+// Row tiles of 16 a block may have (accumulator registers: 4 floats each).
+constexpr int kMmaMaxRowTiles = 4;
+// Warps that split a block's k-tile pairs (each keeps one partial sum per row and column).
+constexpr int kMmaMaxSplits = kPersistentThreads / 32;
+
+__host__ __device__ constexpr int mma_kpairs(int H) { return (H + 31) / 32; }
+__host__ __device__ constexpr int mma_row_tiles(int rows) { return (rows + 15) / 16; }
+__host__ __device__ constexpr int mma_h_stride(int H) {
+  return (mma_kpairs(H) * 32 + 63) / 64 * 64 + 32;
+}
+__host__ __device__ constexpr long long mma_h_bytes(int H, int BT) {
+  return static_cast<long long>(BT) * mma_h_stride(H) * 2;
+}
+// Bytes of the dense weight tiles of `rows` rows.
+__host__ __device__ constexpr long long mma_a_bytes(int rows, int H) {
+  return static_cast<long long>(mma_row_tiles(rows)) * mma_kpairs(H) * 1024;
+}
+// The splits' partial sums: part_s[(split * 16 * row_tiles(rows_cap) + row) * BT + b].
+__host__ __device__ constexpr long long mma_part_bytes(int rows_cap, int BT) {
+  return static_cast<long long>(kMmaMaxSplits) * mma_row_tiles(rows_cap) * 16 * BT * 4;
+}
+// 4-byte words of the weight region: the row offsets (as persistent_fwd keeps them) + tiles.
+__host__ __device__ constexpr long long mma_weight_words(int rows_cap, int H) {
+  return (align16((static_cast<long long>(rows_cap) + 1) * 4) + mma_a_bytes(rows_cap, H)) / 4;
+}
+// The unit partition's per-unit cost (Params::alpha) for mma plans: every unit costs a dense
+// row whatever its nonzeros, so blocks get equal unit counts (a row has at most 4 * 65535
+// nonzeros, far below this).
+constexpr int kMmaAlpha = 1 << 20;
+
+__host__ __device__ inline SmemLayout mma_smem_layout(int H, int BT, int bpad, int G, bool lstm,
+                                                      int u_cap) {
+  return smem_layout(H, BT, bpad, G, lstm, u_cap,
+                     static_cast<int>(mma_weight_words(u_cap * G, H)), 2, 4, 1, 0,
+                     mma_h_bytes(H, BT), mma_part_bytes(u_cap * G, BT));
+}
+
+// Element offset of (block row r, unit u) in the fragment-major tiles (header comment).
+__device__ __forceinline__ long long mma_a_offset(int r, int u, int kpairs) {
+  const int rr = r & 15, lane = (rr & 7) * 4 + ((u & 31) >> 3);
+  return ((((static_cast<long long>(r >> 4) * kpairs + (u >> 5)) * 2 + (rr >> 3)) * 32 + lane) << 3) +
+         (u & 7);
+}
+
+// The block's rows [0, nrows) (row r's nonzeros [rows_s[r], rows_s[r + 1]) from kb0) into the
+// dense tiles a_s, which the caller zeroed (and synchronised) first. Entries are added (a
+// 32-bit compare-and-swap per element), so a pattern that lists an entry twice sums it.
+template <DType D>
+__device__ __forceinline__ void mma_load_weights(const Params& p, long long kb0, const int* rows_s,
+                                                 int nrows, uint16_t* a_s) {
+  using T = Tr<D>;
+  const typename T::S* vals = static_cast<const typename T::S*>(p.values) + kb0;
+  const int32_t* cols = p.col_idx + kb0;
+  const int kp = mma_kpairs(p.H);
+  for (int r = threadIdx.x >> 5; r < nrows; r += blockDim.x >> 5) {
+    for (int k = rows_s[r] + (threadIdx.x & 31); k < rows_s[r + 1]; k += 32) {
+      const long long o = mma_a_offset(r, __ldg(cols + k), kp);
+      uint32_t* w = reinterpret_cast<uint32_t*>(a_s) + (o >> 1);
+      const int sh = static_cast<int>(o & 1) * 16;
+      const float v = T::to_f(vals[k]);
+      uint32_t old = *w, seen;
+      do {
+        seen = old;
+        const uint32_t sum = T::f_to_bits(T::bits_to_f((seen >> sh) & 0xffffu) + v) & 0xffffu;
+        old = atomicCAS(w, seen, (seen & ~(0xffffu << sh)) | (sum << sh));
+      } while (old != seen);
+    }
+  }
+}
+
+// d += a * b on the tensor cores (m16n8k16, float32 accumulation).
+template <DType D>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (D == DType::kBF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#else
+  // Never launched below sm_80 (the planner needs compute capability 8.0 for mma plans).
+  __trap();
+#endif
+}
+
+// Step 2 with the tensor cores: warp w < splits sums k-tile pairs w, w + splits, ... of every
+// row tile into its partials part_s (rows_cap16 = 16 * row tiles of the largest block).
+template <DType D, int BT>
+__device__ __forceinline__ void mma_compute_rows(const uint16_t* a_s, const uint16_t* h_t, int H,
+                                                 int nrows, int splits, int rows_cap16,
+                                                 float* part_s) {
+  static_assert(BT <= 8, "one mma n-tile of batch columns");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= splits) return;
+  const int g = lane >> 2, c = lane & 3;
+  const int kpairs = mma_kpairs(H), hs = mma_h_stride(H);
+  const int mtiles = mma_row_tiles(nrows);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float acc[kMmaMaxRowTiles][4] = {};
+  for (int kp = warp; kp < kpairs; kp += splits) {
+    const uint4 b = g < BT ? *reinterpret_cast<const uint4*>(h_t + g * hs + kp * 32 + c * 8) : zero;
+#pragma unroll
+    for (int mt = 0; mt < kMmaMaxRowTiles; ++mt) {
+      if (mt < mtiles) {
+        // Rows past the block's last hold zeros: not loading them saves wavefronts.
+        const int live = nrows - 16 * mt;
+        const uint4* t = reinterpret_cast<const uint4*>(a_s) + (static_cast<long long>(mt) * kpairs + kp) * 64;
+        const uint4 lo = g < live ? t[lane] : zero;
+        const uint4 hi = g + 8 < live ? t[32 + lane] : zero;
+        mma_16816<D>(acc[mt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+        mma_16816<D>(acc[mt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+      }
+    }
+  }
+  // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
+  if (2 * c < BT) {
+#pragma unroll
+    for (int mt = 0; mt < kMmaMaxRowTiles; ++mt) {
+      if (mt < mtiles) {
+        float* q = part_s + (static_cast<long long>(warp) * rows_cap16 + mt * 16 + g) * BT + 2 * c;
+        *reinterpret_cast<float2*>(q) = make_float2(acc[mt][0], acc[mt][1]);
+        *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(acc[mt][2], acc[mt][3]);
+      }
+    }
+  }
+}
+
+// The G row results of pair (unit ul, tile column bt): the sums of the splits' partials.
+template <int G, int BT>
+__device__ __forceinline__ void mma_row_sums(const float* part_s, int splits, int rows_cap16,
+                                             int ul, int bt, float* hw) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float s = 0.0f;
+    for (int w = 0; w < splits; ++w) s += part_s[(static_cast<long long>(w) * rows_cap16 + ul * G + g) * BT + bt];
+    hw[g] = s;
+  }
+}
+
+}  // namespace cuda
+}  // namespace sprnn
