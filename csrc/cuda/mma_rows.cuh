@@ -120,6 +120,11 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 
 // Step 2 with the tensor cores: warp w < splits sums k-tile pairs w, w + splits, ... of every
 // row tile into its partials part_s (rows_cap16 = 16 * row tiles of the largest block).
+// Rounds of kMmaRound pairs: all their fragment loads first, then the mma into four
+// independent accumulators, so that a warp waits for one shared-memory latency and two mma
+// latencies per round instead of both per pair (the mma's latency is long: ~0.09 us per pair
+// in a dependent chain, step probe).
+constexpr int kMmaRound = 4;
 template <DType D, int BT>
 __device__ __forceinline__ void mma_compute_rows(const uint16_t* a_s, const uint16_t* h_t, int H,
                                                  int nrows, int splits, int rows_cap16,
@@ -131,44 +136,54 @@ __device__ __forceinline__ void mma_compute_rows(const uint16_t* a_s, const uint
   const int kpairs = mma_kpairs(H), hs = mma_h_stride(H);
   const int mtiles = mma_row_tiles(nrows);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  float acc[kMmaMaxRowTiles][4] = {};
-  for (int kp = warp; kp < kpairs; kp += splits) {
-    const uint4 b = g < BT ? *reinterpret_cast<const uint4*>(h_t + g * hs + kp * 32 + c * 8) : zero;
+  for (int mt = 0; mt < mtiles; ++mt) {
+    // Rows past the block's last hold zeros: not loading them saves wavefronts.
+    const int live = nrows - 16 * mt;
+    const uint4* tiles = reinterpret_cast<const uint4*>(a_s) + static_cast<long long>(mt) * kpairs * 64;
+    float acc[4][4] = {};
+    for (int kp0 = warp; kp0 < kpairs; kp0 += kMmaRound * splits) {
+      uint4 b[kMmaRound], lo[kMmaRound], hi[kMmaRound];
 #pragma unroll
-    for (int mt = 0; mt < kMmaMaxRowTiles; ++mt) {
-      if (mt < mtiles) {
-        // Rows past the block's last hold zeros: not loading them saves wavefronts.
-        const int live = nrows - 16 * mt;
-        const uint4* t = reinterpret_cast<const uint4*>(a_s) + (static_cast<long long>(mt) * kpairs + kp) * 64;
-        const uint4 lo = g < live ? t[lane] : zero;
-        const uint4 hi = g + 8 < live ? t[32 + lane] : zero;
-        mma_16816<D>(acc[mt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-        mma_16816<D>(acc[mt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+      for (int u = 0; u < kMmaRound; ++u) {
+        const int kp = kp0 + u * splits;
+        const bool on = kp < kpairs;
+        b[u] = on && g < BT ? *reinterpret_cast<const uint4*>(h_t + g * hs + kp * 32 + c * 8) : zero;
+        lo[u] = on && g < live ? tiles[kp * 64 + lane] : zero;
+        hi[u] = on && g + 8 < live ? tiles[kp * 64 + 32 + lane] : zero;
+      }
+#pragma unroll
+      for (int u = 0; u < kMmaRound; ++u) {
+        if (kp0 + u * splits < kpairs) {  // warp-uniform
+          mma_16816<D>(acc[(u & 1) * 2], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b[u].x, b[u].y);
+          mma_16816<D>(acc[(u & 1) * 2 + 1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b[u].z, b[u].w);
+        }
       }
     }
-  }
-  // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
-  if (2 * c < BT) {
+    // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
+    if (2 * c < BT) {
+      float r[4];
 #pragma unroll
-    for (int mt = 0; mt < kMmaMaxRowTiles; ++mt) {
-      if (mt < mtiles) {
-        float* q = part_s + (static_cast<long long>(warp) * rows_cap16 + mt * 16 + g) * BT + 2 * c;
-        *reinterpret_cast<float2*>(q) = make_float2(acc[mt][0], acc[mt][1]);
-        *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(acc[mt][2], acc[mt][3]);
-      }
+      for (int i = 0; i < 4; ++i) r[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+      float* q = part_s + (static_cast<long long>(warp) * rows_cap16 + mt * 16 + g) * BT + 2 * c;
+      *reinterpret_cast<float2*>(q) = make_float2(r[0], r[1]);
+      *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(r[2], r[3]);
     }
   }
 }
 
-// The G row results of pair (unit ul, tile column bt): the sums of the splits' partials.
+// The G row results of pair (unit ul, tile column bt): the sums of the splits' partials, all
+// loads issued at once (the update is one warp's dependent chain on every step's critical
+// path: a loop of dependent loads cost LSTM H=1024 0.7 us/step, step probe).
 template <int G, int BT>
 __device__ __forceinline__ void mma_row_sums(const float* part_s, int splits, int rows_cap16,
                                              int ul, int bt, float* hw) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float s = 0.0f;
-    for (int w = 0; w < splits; ++w) s += part_s[(static_cast<long long>(w) * rows_cap16 + ul * G + g) * BT + bt];
-    hw[g] = s;
+    float v[4] = {};
+#pragma unroll
+    for (int w = 0; w < kMmaMaxSplits; ++w)
+      if (w < splits) v[w & 3] += part_s[(w * rows_cap16 + ul * G + g) * BT + bt];
+    hw[g] = (v[0] + v[1]) + (v[2] + v[3]);
   }
 }
 
