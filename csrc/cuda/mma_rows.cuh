@@ -179,11 +179,16 @@ __device__ __forceinline__ void mma_row_sums(const float* part_s, int splits, in
                                              int ul, int bt, float* hw) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float v[4] = {};
+    static_assert(kMmaMaxSplits == 16, "the sum below");
+    float v[16];
 #pragma unroll
-    for (int w = 0; w < kMmaMaxSplits; ++w)
-      if (w < splits) v[w & 3] += part_s[(w * rows_cap16 + ul * G + g) * BT + bt];
-    hw[g] = (v[0] + v[1]) + (v[2] + v[3]);
+    for (int w = 0; w < 16; ++w)
+      v[w] = w < splits ? part_s[(w * rows_cap16 + ul * G + g) * BT + bt] : 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) v[w] += v[w + 8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) v[w] += v[w + 4];
+    hw[g] = (v[0] + v[2]) + (v[1] + v[3]);
   }
 }
 
