@@ -1155,8 +1155,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if constexpr (kMma) {
         if (SPRNN_PROBE_MODE != 1)
-          mma_compute_rows<D, BT>(a_s, h_s, H, nu * G, mma_splits, rows_cap16,
-                                  reinterpret_cast<float*>(smem + L.acc_off));
+          mma_compute_rows<D, BT>(a_s, h_s, H, nu * G, mma_splits, rows_cap16, acc_s);
       } else if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
           compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
@@ -1172,11 +1171,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const int b = j * BT + bt;
         const bool first = pi == tid;
         float hw[G];
-        if constexpr (kMma) {
-          mma_row_sums<G, BT>(acc_s, mma_splits, rows_cap16, ul, bt, hw);
-        } else {
-          row_sums<G, BT>(acc_s, ul, bt, hw);
-        }
+        row_sums<G, BT>(acc_s, ul, bt, hw);
         const float hnew =
             update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
                                   b, ul * bpad + b, first, xr, hw, hst, cst);

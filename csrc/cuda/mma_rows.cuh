@@ -11,16 +11,16 @@
 // an infinite h then gives NaN in every row, as a dense matmul does.
 //
 // Layouts (16-bit elements):
-// - h tile, batch-major: h_t[b * mma_h_stride(H) + u], units [H, 32 * kpairs) zero. The stride
-//   is 64 bytes mod 128, so a B-fragment load (4 or 8 batch rows x 64 bytes) takes the minimum
-//   number of shared-memory wavefronts.
+// - h tile, batch-major: h_t[b * mma_h_stride(H) + u], units [H, stride) zero. The stride is
+//   64 bytes mod 128, so a B-fragment load (4 or 8 batch rows x 64 bytes) takes the fewest
+//   shared-memory wavefronts.
 // - weights, fragment-major: the block's rows in tiles of 16 (mt) and its units in pairs of
-//   k-tiles of 32 units (kp); per (mt, kp) two halves (rows 0-7, rows 8-15) of 32 lanes x 8
-//   elements, lane (g, c) = (lane / 4, lane % 4) holding row g (+ 8) at units
-//   32 kp + 8 c + e, e = 0..7. Each lane loads its 16 bytes (conflict-free) and they are the A
-//   fragments of both k-tiles, because the k order inside a k-tile is permuted: the mma's
-//   k = 2c, 2c + 1, 2c + 8, 2c + 9 of k-tile t are units 8c + 4t + 0..3. The h tile's lane
-//   (g, c) reads the same 8 units of batch row g: the B fragments of both k-tiles.
+//   k-tiles of 32 units (kp), plus one zero pair per row tile (kp = kpairs, where warps past
+//   the end read, so that no load or mma needs a predicate). Per (mt, kp, k-tile t) 32 lanes x
+//   the four A registers of mma.m16n8k16 (16 bytes: one conflict-free load). The k order
+//   inside a k-tile is permuted: the mma's k = 2c, 2c + 1, 2c + 8, 2c + 9 of k-tile t are units
+//   32 kp + 8c + 4t + 0..3, so lane (g, c) = (lane / 4, lane % 4) of the h tile's batch row g
+//   finds the B registers of both k-tiles in 16 contiguous bytes (units 32 kp + 8c + 0..7).
 #pragma once
 
 namespace sprnn {
@@ -40,12 +40,14 @@ __host__ __device__ constexpr long long mma_h_bytes(int H, int BT) {
   return static_cast<long long>(BT) * mma_h_stride(H) * 2;
 }
 // Bytes of the dense weight tiles of `rows` rows.
+// Bytes of the dense weight tiles of `rows` rows (with the zero pair of every row tile).
 __host__ __device__ constexpr long long mma_a_bytes(int rows, int H) {
-  return static_cast<long long>(mma_row_tiles(rows)) * mma_kpairs(H) * 1024;
+  return static_cast<long long>(mma_row_tiles(rows)) * (mma_kpairs(H) + 1) * 1024;
 }
-// The splits' partial sums: part_s[(split * 16 * row_tiles(rows_cap) + row) * BT + b].
-__host__ __device__ constexpr long long mma_part_bytes(int rows_cap, int BT) {
-  return static_cast<long long>(kMmaMaxSplits) * mma_row_tiles(rows_cap) * 16 * BT * 4;
+// Row results: the sums (16 * row tiles x BT floats, read by the cell update as acc_s) and the
+// splits' partials (kMmaMaxSplits times as many).
+__host__ __device__ constexpr long long mma_acc_bytes(int rows_cap, int BT) {
+  return static_cast<long long>(kMmaMaxSplits + 1) * mma_row_tiles(rows_cap) * 16 * BT * 4;
 }
 // 4-byte words of the weight region: the row offsets (as persistent_fwd keeps them) + tiles.
 __host__ __device__ constexpr long long mma_weight_words(int rows_cap, int H) {
@@ -60,14 +62,16 @@ __host__ __device__ inline SmemLayout mma_smem_layout(int H, int BT, int bpad, i
                                                       int u_cap) {
   return smem_layout(H, BT, bpad, G, lstm, u_cap,
                      static_cast<int>(mma_weight_words(u_cap * G, H)), 2, 4, 1, 0,
-                     mma_h_bytes(H, BT), mma_part_bytes(u_cap * G, BT));
+                     mma_h_bytes(H, BT), mma_acc_bytes(u_cap * G, BT));
 }
 
 // Element offset of (block row r, unit u) in the fragment-major tiles (header comment).
 __device__ __forceinline__ long long mma_a_offset(int r, int u, int kpairs) {
-  const int rr = r & 15, lane = (rr & 7) * 4 + ((u & 31) >> 3);
-  return ((((static_cast<long long>(r >> 4) * kpairs + (u >> 5)) * 2 + (rr >> 3)) * 32 + lane) << 3) +
-         (u & 7);
+  const int rr = r & 15, v = u & 31;
+  const int lane = (rr & 7) * 4 + (v >> 3), t = (v >> 2) & 1;
+  const int reg = (v & 2) + (rr >> 3);  // a0: row g, k 0-1; a1: row g + 8; a2, a3: k 2-3
+  return (((((static_cast<long long>(r >> 4) * (kpairs + 1) + (u >> 5)) * 2 + t) * 32 + lane) * 4 +
+           reg) << 1) + (v & 1);
 }
 
 // The block's rows [0, nrows) (row r's nonzeros [rows_s[r], rows_s[r + 1]) from kb0) into the
@@ -118,77 +122,68 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 #endif
 }
 
-// Step 2 with the tensor cores: warp w < splits sums k-tile pairs w, w + splits, ... of every
-// row tile into its partials part_s (rows_cap16 = 16 * row tiles of the largest block).
-// Rounds of kMmaRound pairs: all their fragment loads first, then the mma into four
-// independent accumulators, so that a warp waits for one shared-memory latency and two mma
-// latencies per round instead of both per pair (the mma's latency is long: ~0.09 us per pair
-// in a dependent chain, step probe).
+// Step 2 with the tensor cores, called by every thread: warp w < splits sums k-tile pairs
+// w, w + splits, ... of every row tile into its partials, then the block sums the partials into
+// acc_s[r * BT + b] (rows_cap16 = 16 * row tiles of the largest block; the caller barriers
+// after). Rounds of kMmaRound pairs, all loads first, four independent accumulators, and no
+// predicates: a small layer's rows are bound by each warp's instruction count and latencies
+// (step probe), not by the tensor cores.
 constexpr int kMmaRound = 4;
 template <DType D, int BT>
 __device__ __forceinline__ void mma_compute_rows(const uint16_t* a_s, const uint16_t* h_t, int H,
                                                  int nrows, int splits, int rows_cap16,
-                                                 float* part_s) {
+                                                 float* acc_s) {
   static_assert(BT <= 8, "one mma n-tile of batch columns");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (warp >= splits) return;
-  const int g = lane >> 2, c = lane & 3;
   const int kpairs = mma_kpairs(H), hs = mma_h_stride(H);
   const int mtiles = mma_row_tiles(nrows);
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int mt = 0; mt < mtiles; ++mt) {
-    // Rows past the block's last hold zeros: not loading them saves wavefronts.
-    const int live = nrows - 16 * mt;
-    const uint4* tiles = reinterpret_cast<const uint4*>(a_s) + static_cast<long long>(mt) * kpairs * 64;
-    float acc[4][4] = {};
-    for (int kp0 = warp; kp0 < kpairs; kp0 += kMmaRound * splits) {
-      uint4 b[kMmaRound], lo[kMmaRound], hi[kMmaRound];
+  float* part_s = acc_s + rows_cap16 * BT;
+  if (warp < splits) {
+    const int g = lane >> 2, c = lane & 3;
+    // B columns n >= BT only feed output columns n >= BT, which nobody reads: lanes g >= BT
+    // load batch row g % BT instead of predicating.
+    const uint16_t* h_lane = h_t + (g % BT) * hs + c * 8;
+    for (int mt = 0; mt < mtiles; ++mt) {
+      const uint4* tiles = reinterpret_cast<const uint4*>(a_s) + static_cast<long long>(mt) * (kpairs + 1) * 64 + lane;
+      float acc[4][4] = {};
+      for (int kp0 = warp; kp0 < kpairs; kp0 += kMmaRound * splits) {
+        uint4 b[kMmaRound], a0[kMmaRound], a1[kMmaRound];
 #pragma unroll
-      for (int u = 0; u < kMmaRound; ++u) {
-        const int kp = kp0 + u * splits;
-        const bool on = kp < kpairs;
-        b[u] = on && g < BT ? *reinterpret_cast<const uint4*>(h_t + g * hs + kp * 32 + c * 8) : zero;
-        lo[u] = on && g < live ? tiles[kp * 64 + lane] : zero;
-        hi[u] = on && g + 8 < live ? tiles[kp * 64 + 32 + lane] : zero;
-      }
+        for (int u = 0; u < kMmaRound; ++u) {
+          const int kp = min(kp0 + u * splits, kpairs);  // kpairs: the zero pair
+          b[u] = *reinterpret_cast<const uint4*>(h_lane + kp * 32);
+          a0[u] = tiles[kp * 64];
+          a1[u] = tiles[kp * 64 + 32];
+        }
 #pragma unroll
-      for (int u = 0; u < kMmaRound; ++u) {
-        if (kp0 + u * splits < kpairs) {  // warp-uniform
-          mma_16816<D>(acc[(u & 1) * 2], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b[u].x, b[u].y);
-          mma_16816<D>(acc[(u & 1) * 2 + 1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b[u].z, b[u].w);
+        for (int u = 0; u < kMmaRound; ++u) {
+          mma_16816<D>(acc[(u & 1) * 2], a0[u].x, a0[u].y, a0[u].z, a0[u].w, b[u].x, b[u].y);
+          mma_16816<D>(acc[(u & 1) * 2 + 1], a1[u].x, a1[u].y, a1[u].z, a1[u].w, b[u].z, b[u].w);
         }
       }
-    }
-    // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
-    if (2 * c < BT) {
-      float r[4];
+      // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
+      if (2 * c < BT) {
+        float r[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) r[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
-      float* q = part_s + (static_cast<long long>(warp) * rows_cap16 + mt * 16 + g) * BT + 2 * c;
-      *reinterpret_cast<float2*>(q) = make_float2(r[0], r[1]);
-      *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(r[2], r[3]);
+        for (int i = 0; i < 4; ++i) r[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+        float* q = part_s + (static_cast<long long>(warp) * rows_cap16 + mt * 16 + g) * BT + 2 * c;
+        *reinterpret_cast<float2*>(q) = make_float2(r[0], r[1]);
+        *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(r[2], r[3]);
+      }
     }
   }
-}
-
-// The G row results of pair (unit ul, tile column bt): the sums of the splits' partials, all
-// loads issued at once (the update is one warp's dependent chain on every step's critical
-// path: a loop of dependent loads cost LSTM H=1024 0.7 us/step, step probe).
-template <int G, int BT>
-__device__ __forceinline__ void mma_row_sums(const float* part_s, int splits, int rows_cap16,
-                                             int ul, int bt, float* hw) {
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    static_assert(kMmaMaxSplits == 16, "the sum below");
+  __syncthreads();
+  // The sums, all of a thread's loads issued at once.
+  static_assert(kMmaMaxSplits == 16, "the sum below");
+  for (int i = threadIdx.x; i < nrows * BT; i += blockDim.x) {
     float v[16];
 #pragma unroll
-    for (int w = 0; w < 16; ++w)
-      v[w] = w < splits ? part_s[(w * rows_cap16 + ul * G + g) * BT + bt] : 0.0f;
+    for (int w = 0; w < 16; ++w) v[w] = w < splits ? part_s[w * rows_cap16 * BT + i] : 0.0f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) v[w] += v[w + 8];
 #pragma unroll
     for (int w = 0; w < 4; ++w) v[w] += v[w + 4];
-    hw[g] = (v[0] + v[2]) + (v[1] + v[3]);
+    acc_s[i] = (v[0] + v[2]) + (v[1] + v[3]);
   }
 }
 
