@@ -1012,10 +1012,15 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
   // (the tiles are first read after step 0's gather barrier)
-  if constexpr (kMma) mma_load_weights<D>(p, kb0, rows_s, nu * G, a_s);
+  // The mma build's warp roles and register-held tiles (mma_rows.cuh).
   const int rows_cap16 = 16 * mma_row_tiles(p.u_cap * G);
-  int mma_splits = mma_kpairs(H) < (nthr >> 5) ? mma_kpairs(H) : (nthr >> 5);
-  if (p.mma_splits > 0 && p.mma_splits < mma_splits) mma_splits = p.mma_splits;
+  const MmaWarp mma_w = mma_warp(nu * G, mma_splits_for(nu * G, mma_kpairs(H), nthr >> 5, p.mma_splits));
+  uint4 areg[kMmaRegPairs][2];
+  if constexpr (kMma) {
+    mma_load_weights<D>(p, kb0, rows_s, nu * G, a_s);
+    __syncthreads();
+    mma_load_registers(a_s, H, mma_w, areg);
+  }
   // (cmask is first read after step 0's gather barrier.)
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
 
@@ -1155,7 +1160,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if constexpr (kMma) {
         if (SPRNN_PROBE_MODE != 1)
-          mma_compute_rows<D, BT>(a_s, h_s, H, nu * G, mma_splits, rows_cap16, acc_s);
+          mma_compute_rows<D, BT>(a_s, h_s, H, nu * G, mma_w, areg, rows_cap16, acc_s);
       } else if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
           compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);

@@ -122,67 +122,125 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 #endif
 }
 
-// Step 2 with the tensor cores, called by every thread: warp w < splits sums k-tile pairs
-// w, w + splits, ... of every row tile into its partials, then the block sums the partials into
-// acc_s[r * BT + b] (rows_cap16 = 16 * row tiles of the largest block; the caller barriers
-// after). Rounds of kMmaRound pairs, all loads first, four independent accumulators, and no
-// predicates: a small layer's rows are bound by each warp's instruction count and latencies
-// (step probe), not by the tensor cores.
-constexpr int kMmaRound = 4;
+// Warp roles: warp w < splits (splits a multiple of the block's row tiles) takes row tile
+// w % mtiles and k-tile pairs w / mtiles, + nsplit, + 2 nsplit, ... (nsplit = splits / mtiles).
+// Its first kMmaRegPairs pairs' A fragments stay in registers for the whole kernel (loaded once
+// by mma_load_registers): the step then reads only h from shared memory for them. A dense tile
+// is several times the bytes of the packed nonzeros at 10% density, and reading it every step
+// made the rows shared-memory bound (step probe: LSTM H=1024 rows 0.65 us sparse, 0.77-1.16
+// dense from shared memory).
+constexpr int kMmaRegPairs = 4;
+struct MmaWarp {
+  int mt, first, nsplit;  // row tile, first pair, stride between its pairs
+  bool on;                // warp < splits
+};
+__device__ __forceinline__ MmaWarp mma_warp(int nrows, int splits) {
+  const int mtiles = mma_row_tiles(nrows) > 0 ? mma_row_tiles(nrows) : 1;
+  const int warp = threadIdx.x >> 5;
+  const int nsplit = splits / mtiles;
+  return {warp % mtiles, warp / mtiles, nsplit > 0 ? nsplit : 1, warp < nsplit * mtiles};
+}
+
+// The splits for `warps` warps: a multiple of the row tiles, at most one warp per (tile, pair).
+__device__ __forceinline__ int mma_splits_for(int nrows, int kpairs, int warps, int requested) {
+  const int mtiles = mma_row_tiles(nrows) > 0 ? mma_row_tiles(nrows) : 1;
+  int per_tile = warps / mtiles;
+  if (requested > 0 && requested / mtiles < per_tile) per_tile = requested / mtiles;
+  if (per_tile > kpairs) per_tile = kpairs;
+  return (per_tile > 0 ? per_tile : 1) * mtiles;
+}
+
+// The A fragments of the warp's register pairs (zeros past the last pair). After the tiles are
+// complete (a barrier after mma_load_weights).
+__device__ __forceinline__ void mma_load_registers(const uint16_t* a_s, int H, const MmaWarp& w,
+                                                   uint4 (&areg)[kMmaRegPairs][2]) {
+  const int kpairs = mma_kpairs(H), lane = threadIdx.x & 31;
+  const uint4* tiles = reinterpret_cast<const uint4*>(a_s) + static_cast<long long>(w.mt) * (kpairs + 1) * 64 + lane;
+#pragma unroll
+  for (int i = 0; i < kMmaRegPairs; ++i) {
+    const int kp = w.first + i * w.nsplit;
+    const bool live = w.on && kp < kpairs;
+    areg[i][0] = live ? tiles[kp * 64] : make_uint4(0u, 0u, 0u, 0u);
+    areg[i][1] = live ? tiles[kp * 64 + 32] : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// The B fragments of pair kp for this lane: batch row g of the h tile (rows g >= BT feed
+// output columns nobody reads; they keep zeros and cost no wavefronts).
+template <int BT>
+__device__ __forceinline__ uint4 mma_h_frag(const uint16_t* h_t, int hs, int kp) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  return g < BT ? *reinterpret_cast<const uint4*>(h_t + g * hs + kp * 32 + (lane & 3) * 8)
+                : make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <DType D>
+__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4], const uint4& a0,
+                                         const uint4& a1, const uint4& b) {
+  mma_16816<D>(acc0, a0.x, a0.y, a0.z, a0.w, b.x, b.y);
+  mma_16816<D>(acc1, a1.x, a1.y, a1.z, a1.w, b.z, b.w);
+}
+
+// Step 2 with the tensor cores, called by every thread: each warp (mma_warp) sums its pairs of
+// its row tile into its partials, then the block sums the partials into acc_s[r * BT + b]
+// (rows_cap16 = 16 * row tiles of the largest block; the caller barriers after). Pairs past
+// the register ones come from shared memory in rounds of kMmaRound, all loads first (pairs
+// past the end read the zero pair: no predicates). Four independent accumulators.
+constexpr int kMmaRound = 2;
 template <DType D, int BT>
 __device__ __forceinline__ void mma_compute_rows(const uint16_t* a_s, const uint16_t* h_t, int H,
-                                                 int nrows, int splits, int rows_cap16,
-                                                 float* acc_s) {
+                                                 int nrows, const MmaWarp& w,
+                                                 const uint4 (&areg)[kMmaRegPairs][2],
+                                                 int rows_cap16, float* acc_s) {
   static_assert(BT <= 8, "one mma n-tile of batch columns");
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   const int kpairs = mma_kpairs(H), hs = mma_h_stride(H);
-  const int mtiles = mma_row_tiles(nrows);
   float* part_s = acc_s + rows_cap16 * BT;
-  if (warp < splits) {
+  if (w.on) {
+    float acc[4][4] = {};
+#pragma unroll
+    for (int i = 0; i < kMmaRegPairs; ++i) {
+      const int kp = w.first + i * w.nsplit;
+      if (kp < kpairs)  // warp-uniform
+        mma_pair<D>(acc[(i & 1) * 2], acc[(i & 1) * 2 + 1], areg[i][0], areg[i][1],
+                    mma_h_frag<BT>(h_t, hs, kp));
+    }
+    const uint4* tiles = reinterpret_cast<const uint4*>(a_s) + static_cast<long long>(w.mt) * (kpairs + 1) * 64 + lane;
+    for (int kp0 = w.first + kMmaRegPairs * w.nsplit; kp0 < kpairs; kp0 += kMmaRound * w.nsplit) {
+      uint4 b[kMmaRound], a0[kMmaRound], a1[kMmaRound];
+#pragma unroll
+      for (int u = 0; u < kMmaRound; ++u) {
+        const int kp = min(kp0 + u * w.nsplit, kpairs);  // kpairs: the zero pair
+        b[u] = mma_h_frag<BT>(h_t, hs, kp);
+        a0[u] = tiles[kp * 64];
+        a1[u] = tiles[kp * 64 + 32];
+      }
+#pragma unroll
+      for (int u = 0; u < kMmaRound; ++u)
+        mma_pair<D>(acc[(u & 1) * 2], acc[(u & 1) * 2 + 1], a0[u], a1[u], b[u]);
+    }
+    // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
     const int g = lane >> 2, c = lane & 3;
-    // B columns n >= BT only feed output columns n >= BT, which nobody reads: lanes g >= BT
-    // load batch row g % BT instead of predicating.
-    const uint16_t* h_lane = h_t + (g % BT) * hs + c * 8;
-    for (int mt = 0; mt < mtiles; ++mt) {
-      const uint4* tiles = reinterpret_cast<const uint4*>(a_s) + static_cast<long long>(mt) * (kpairs + 1) * 64 + lane;
-      float acc[4][4] = {};
-      for (int kp0 = warp; kp0 < kpairs; kp0 += kMmaRound * splits) {
-        uint4 b[kMmaRound], a0[kMmaRound], a1[kMmaRound];
+    if (2 * c < BT) {
+      float r[4];
 #pragma unroll
-        for (int u = 0; u < kMmaRound; ++u) {
-          const int kp = min(kp0 + u * splits, kpairs);  // kpairs: the zero pair
-          b[u] = *reinterpret_cast<const uint4*>(h_lane + kp * 32);
-          a0[u] = tiles[kp * 64];
-          a1[u] = tiles[kp * 64 + 32];
-        }
-#pragma unroll
-        for (int u = 0; u < kMmaRound; ++u) {
-          mma_16816<D>(acc[(u & 1) * 2], a0[u].x, a0[u].y, a0[u].z, a0[u].w, b[u].x, b[u].y);
-          mma_16816<D>(acc[(u & 1) * 2 + 1], a1[u].x, a1[u].y, a1[u].z, a1[u].w, b[u].z, b[u].w);
-        }
-      }
-      // Accumulator (row g or g + 8, batch columns 2c, 2c + 1) into this warp's partials.
-      if (2 * c < BT) {
-        float r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
-        float* q = part_s + (static_cast<long long>(warp) * rows_cap16 + mt * 16 + g) * BT + 2 * c;
-        *reinterpret_cast<float2*>(q) = make_float2(r[0], r[1]);
-        *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(r[2], r[3]);
-      }
+      for (int i = 0; i < 4; ++i) r[i] = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+      float* q = part_s + (static_cast<long long>(w.first) * rows_cap16 + w.mt * 16 + g) * BT + 2 * c;
+      *reinterpret_cast<float2*>(q) = make_float2(r[0], r[1]);
+      *reinterpret_cast<float2*>(q + 8 * BT) = make_float2(r[2], r[3]);
     }
   }
   __syncthreads();
-  // The sums, all of a thread's loads issued at once.
+  // The sums over the nsplit partials, all of a thread's loads issued at once.
   static_assert(kMmaMaxSplits == 16, "the sum below");
   for (int i = threadIdx.x; i < nrows * BT; i += blockDim.x) {
     float v[16];
 #pragma unroll
-    for (int w = 0; w < 16; ++w) v[w] = w < splits ? part_s[w * rows_cap16 * BT + i] : 0.0f;
+    for (int s = 0; s < 16; ++s) v[s] = s < w.nsplit ? part_s[s * rows_cap16 * BT + i] : 0.0f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) v[w] += v[w + 8];
+    for (int s = 0; s < 8; ++s) v[s] += v[s + 8];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) v[w] += v[w + 4];
+    for (int s = 0; s < 4; ++s) v[s] += v[s + 4];
     acc_s[i] = (v[0] + v[2]) + (v[1] + v[3]);
   }
 }
