@@ -278,6 +278,13 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     lag.push_back((static_cast<double>(t1min) - static_cast<double>(t3max)) / 1000.0);
     wait_last.push_back((static_cast<double>(t1max) - static_cast<double>(t3max)) / 1000.0);
   }
+  // The SM clock the traced run actually ran at (clock64 cycles per %globaltimer ns over the
+  // traced steps, median over blocks): the phases above assume clock_ghz.
+  std::vector<double> ghz;
+  for (int b = 0; b < nb; ++b)
+    ghz.push_back(static_cast<double>(at(kT - 1, b, 0) - at(2, b, 0)) /
+                  static_cast<double>(at(kT - 1, b, 4) - at(2, b, 4)));
+  const double sm_ghz = pct(ghz, 0.5);
   // ys of the last run against a float64 recurrence on the fp16 inputs (mode 0 only).
   double err = -1.0, ref_max = 0.0;
   if (c.mode == 0) {
@@ -314,12 +321,12 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   }
   std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d mma=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
-              "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | "
+              "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | sm %.2f GHz | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
               c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, c.mma, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
-              pct(spread1, 0.5), err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");
+              pct(spread1, 0.5), sm_ghz, err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");
   std::fflush(stdout);
   for (void* d : {const_cast<void*>(p.xp), const_cast<void*>(static_cast<const void*>(p.lengths)),
                   const_cast<void*>(p.values), const_cast<void*>(static_cast<const void*>(p.col_idx)),
