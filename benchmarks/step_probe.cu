@@ -7,7 +7,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
 // Each argument:
-//   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep[:mma]]]]]]]],
+//   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep]]]]]]],
 // B = 4 (one tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
 // exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
@@ -15,8 +15,7 @@
 // package used before session 7, 0 in column order (the probe's order before session 7);
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
 // and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
-// build (kernel_core.cuh gather_words); mma = 1 runs the tensor-core build (mma_rows.cuh) with
-// every warp splitting the k-tiles, mma = n > 1 with n warps (Params::mma_splits). Prints the median us/step
+// build (kernel_core.cuh gather_words). Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 #include <cuda_fp16.h>
@@ -42,16 +41,16 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 struct Config {
   std::string cell;
   int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
-      bank = 1, wcap_pct = 0, deep = 0, mma = 0;
+      bank = 1, wcap_pct = 0, deep = 0;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density,
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density,
                   &c.threads, &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb,
-                  &c.bank, &c.wcap_pct, &c.deep, &c.mma) < 6) {
+                  &c.bank, &c.wcap_pct, &c.deep) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -169,7 +168,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   // The plan, as handlers.cu make_grid_plan computes it for one tile.
   Params p{};
   p.T = kT; p.B = kB; p.H = H; p.ntiles = 1; p.activation = 1; p.reverse = 0; p.lamport = 1;
-  p.alpha = c.mma ? kMmaAlpha : static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
+  p.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
   const long long total = nnz + static_cast<long long>(p.alpha) * H;
   p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
   const long long avail = smem_optin - 256;
@@ -179,12 +178,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   // memory carve-out no larger than needed, so the rest of the SM's 256 KB is L1 (where the
   // 1024-thread build's register spills can stay).
   if (c.wcap_pct > 0) p.w_cap = static_cast<int>(std::min<long long>(p.w_cap, nnz / nb * c.wcap_pct / 100));
-  long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
-  if (c.mma) {
-    p.w_cap = static_cast<int>(mma_weight_words(p.u_cap * G, H));
-    smem = mma_smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap).total;
-    p.mma_splits = c.mma > 1 ? c.mma : 0;
-  }
+  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
   p.timeout_ns = 5000000000LL;
   p.col_filter = c.filter;
   p.spin_ns = c.spin_ns;
@@ -221,9 +215,8 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.counters = reinterpret_cast<unsigned int*>(ws + 256);
   p.xbuf = ws + 512 + 1024ull * c.xbuf_kb;
 
-  auto fn = c.mma ? &persistent_fwd<kCell, DType::kF16, kBT, false, false, true>
-            : c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
-                     : &persistent_fwd<kCell, DType::kF16, kBT, true>;
+  auto fn = c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
+                   : &persistent_fwd<kCell, DType::kF16, kBT, true>;
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   if (c.wcap_pct > 0) {
     int smem_sm = 0;
@@ -279,7 +272,8 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     wait_last.push_back((static_cast<double>(t1max) - static_cast<double>(t3max)) / 1000.0);
   }
   // The SM clock the traced run actually ran at (clock64 cycles per %globaltimer ns over the
-  // traced steps, median over blocks): the phases above assume clock_ghz.
+  // traced steps, median over blocks): the phases above assume clock_ghz. (A kernel with
+  // tensor-core instructions ran at 1.69-1.75 GHz instead of 1.98: benchmarks/NOTES.md, session 9.)
   std::vector<double> ghz;
   for (int b = 0; b < nb; ++b)
     ghz.push_back(static_cast<double>(at(kT - 1, b, 0) - at(2, b, 0)) /
@@ -319,11 +313,11 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       h.swap(hn);
     }
   }
-  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d mma=%d nnz=%lld smem=%lld | %.3f us/step | "
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
               "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | sm %.2f GHz | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
-              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, c.mma, nnz, smem, us_step,
+              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), sm_ghz, err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");

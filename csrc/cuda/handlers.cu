@@ -80,7 +80,6 @@ struct Plan {
   int cluster = 0;  // > 0: the cluster kernel with clusters of this many CTAs, one per tile
   int groups = 1;   // > 1: batch groups (Params::groups), nb / groups blocks per tile
   bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
-  bool mma = false;          // the tile-4 build with tensor-core rows from dense tiles
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
@@ -173,34 +172,6 @@ bool grouped_plan(const Plan& base, int groups, int gates, int dtype, long long 
   c.groups = ntiles;
   c.nb *= ntiles;
   out = c;
-  return true;
-}
-
-// Turns a tile-4 Lamport plan into the tensor-core build's (mma_rows.cuh: the rows as dense
-// 16-bit tiles, equal unit counts per block). False when it does not apply or does not fit.
-bool mma_plan(int gates, long long H, long long nnz, long long avail, Plan& c) {
-  if (!c.persistent || !c.wide || !c.lamport || c.bt != 4) return false;
-  const long long parts = c.nb / c.groups;
-  const long long total = nnz + static_cast<long long>(kMmaAlpha) * H;
-  const long long u_cap = std::min<long long>(H, (total / parts + 1) / kMmaAlpha + 2);
-  const int rows_cap = static_cast<int>(u_cap * gates);
-  if (mma_row_tiles(rows_cap) > kMmaMaxRowTiles) return false;
-  const SmemLayout l = mma_smem_layout(static_cast<int>(H), c.bt, c.ntiles * c.bt, gates,
-                                       gates == 4, static_cast<int>(u_cap));
-  if (l.total > avail) return false;
-  c.mma = true;
-  c.deep_gather = false;
-  c.alpha = kMmaAlpha;
-  c.u_cap = static_cast<int>(u_cap);
-  c.w_cap = c.w_need = mma_weight_words(rows_cap, static_cast<int>(H));
-  c.smem = l.total;
-  c.on_chip = true;
-  return true;
-}
-
-// Whether the default takes a fitting mma plan: TODO(measure) by density.
-bool mma_pays(int gates, long long H, long long nnz) {
-  (void)gates; (void)H; (void)nnz;
   return true;
 }
 
@@ -322,12 +293,6 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
     best.deep_gather = knob >= 0 ? knob != 0 : H > best.threads * chunks;
   }
-  if (dtype != 0 && dev.cc_major >= 8) {
-    const long long knob = env_int("SPRNN_CUDA_MMA", -1);
-    Plan m = best;
-    if (knob != 0 && mma_plan(gates, H, nnz, avail, m) && (knob == 1 || mma_pays(gates, H, nnz)))
-      best = m;
-  }
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
@@ -435,9 +400,9 @@ cudaError_t ensure_smem(KernelFn fn, long long smem) {
 
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
   switch (cell) {
-    case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.mma);
-    case Cell::kGru: return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.mma);
-    default: return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.mma);
+    case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather);
+    case Cell::kGru: return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather);
+    default: return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather);
   }
 }
 
@@ -648,7 +613,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
-  p.mma_splits = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_MMA_SPLITS", 0), 0, kMmaMaxSplits));
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
@@ -863,7 +827,6 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["tiles"] = pl.ntiles;
   r["groups"] = pl.groups;
   r["deep_gather"] = pl.deep_gather;
-  r["mma"] = pl.mma;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
   r["units_cap"] = pl.u_cap;

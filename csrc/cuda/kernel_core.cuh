@@ -84,7 +84,6 @@ struct Params {
   int groups;             // persistent_fwd: > 1 = batch groups, tile j on blocks
                           // [j * nb / groups, (j + 1) * nb / groups), all tiles at once
                           // (groups == ntiles); 0 or 1 = every block runs every tile in turn
-  int mma_splits;         // mma build: warps that split the k-tiles (0 = every warp)
 };
 
 // ---- storage types and conversions ----------------------------------------------------------
@@ -396,13 +395,7 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
 
 // ---- shared memory carve-up (host computes the same sizes, see handlers.cu) -------------------
 
-__host__ __device__ constexpr long long align16(long long x) { return (x + 15) & ~15LL; }
-
-// Zeroes `bytes` (a multiple of 16) of shared memory at p (16-byte aligned), the whole block.
-__device__ __forceinline__ void zero_smem(void* p, long long bytes) {
-  for (long long i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-    reinterpret_cast<uint4*>(p)[i] = make_uint4(0u, 0u, 0u, 0u);
-}
+__host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
 
 // h tile (h_slots copies, h_stride bytes apart: the cluster kernel double-buffers it) | row
 // results | h state | c state (lstm) | needed-column bitmap | row offsets (row_words ints: the
@@ -414,17 +407,14 @@ struct SmemLayout {
   long long h_off, h_stride, acc_off, hst_off, cst_off, m_off, r_off, len_off, w_off, total;
 };
 
-// h_bytes / acc_bytes (when >= 0) replace the sizes of one h tile and of the row results (the
-// mma build's padded h tile and per-warp partial sums, mma_rows.cuh).
 __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
                                                   int u_cap, int w_cap, int s_bytes, int w_bytes,
-                                                  int h_slots = 1, int row_words = 0,
-                                                  long long h_bytes = -1, long long acc_bytes = -1) {
+                                                  int h_slots = 1, int row_words = 0) {
   SmemLayout l;
   l.h_off = 0;
-  l.h_stride = align16(h_bytes >= 0 ? h_bytes : static_cast<long long>(H) * BT * s_bytes);
+  l.h_stride = align16(static_cast<long long>(H) * BT * s_bytes);
   l.acc_off = h_slots * l.h_stride;
-  l.hst_off = l.acc_off + align16(acc_bytes >= 0 ? acc_bytes : static_cast<long long>(u_cap) * G * BT * 4);
+  l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
   l.m_off = l.cst_off + (lstm ? align16(static_cast<long long>(u_cap) * bpad * 4) : 0);
   l.r_off = l.m_off + align16((static_cast<long long>(H) + 31) / 32 * 4);
@@ -894,15 +884,8 @@ constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 // threads with up to 128 registers, smaller tiles 1024.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
-}  // namespace cuda
-}  // namespace sprnn
-#include "cuda/mma_rows.cuh"
-namespace sprnn {
-namespace cuda {
-
-// kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru. kMma: the rows on the
-// tensor cores from dense tiles (mma_rows.cuh; 16-bit, tile 4, the batch-major h layout).
-template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, bool kMma = false>
+// kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
+template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -932,7 +915,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr bool kFilter = BT >= 16;
   static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
-  static_assert(!kMma || (!kWide && sizeof(S) == 2 && BT <= 8), "mma: 16-bit batch-major tiles");
 
   extern __shared__ __align__(16) unsigned char smem[];
   SPRNN_PROBE_INIT;
@@ -966,12 +948,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     if (tid == 0) atomicExch(p.abort_flag, 2);
     return;
   }
-  const SmemLayout L =
-      kMma ? mma_smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap)
-           : smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
-                         static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
+  const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
+                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
   S* h_s = reinterpret_cast<S*>(smem + L.h_off);
-  const int h_ld = kMma ? mma_h_stride(H) : H;  // batch-major h tile: row stride
   uint32_t* cmask = reinterpret_cast<uint32_t*>(smem + L.m_off);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
@@ -996,31 +975,13 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-  // The mma build keeps its rows as dense tiles in the weight region instead (mma_rows.cuh):
-  // zeroed here, with the h tile, whose padding units must stay 0 (0 * garbage may be NaN).
-  uint16_t* a_s = reinterpret_cast<uint16_t*>(w_s);
-  if constexpr (kMma) {
-    zero_smem(a_s, mma_a_bytes(nu * G, H));
-    zero_smem(h_s, L.h_stride);
-  } else {
-    load_weights<D>(p, kb0, n_in, w_s);
-  }
+  load_weights<D>(p, kb0, n_in, w_s);
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
     for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = 0u;
   init_state<kCell, D>(p, u0, nu, 0, bpad, hst, cst);
   __syncthreads();
-  // (the tiles are first read after step 0's gather barrier)
-  // The mma build's warp roles and register-held tiles (mma_rows.cuh).
-  const int rows_cap16 = 16 * mma_row_tiles(p.u_cap * G);
-  const MmaWarp mma_w = mma_warp(nu * G, mma_splits_for(nu * G, mma_kpairs(H), nthr >> 5, p.mma_splits));
-  uint4 areg[kMmaRegPairs][2];
-  if constexpr (kMma) {
-    mma_load_weights<D>(p, kb0, rows_s, nu * G, a_s);
-    __syncthreads();
-    mma_load_registers(a_s, H, mma_w, areg);
-  }
   // (cmask is first read after step 0's gather barrier.)
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
 
@@ -1063,7 +1024,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
             const int b = j * BT + c0 + i;
             bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
           }
-          store_h<S, BT, kRW, kWide>(h_s, h_ld, it, bits);
+          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else if (!p.lamport) {
         if (tid == 0) {
@@ -1106,7 +1067,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               }
             }
           }
-          store_h<S, BT, kRW, kWide>(h_s, h_ld, it, bits);
+          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else {
         const uint32_t tag = T::tag_of(s - 1);
@@ -1143,7 +1104,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
                 uint32_t bits[kCW];
 #pragma unroll
                 for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
-                store_h<S, BT, kCW, kWide>(h_s, h_ld, ib + i * nthr, bits);
+                store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
                 pending &= ~(1u << i);
               }
             }
@@ -1158,10 +1119,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).
-      if constexpr (kMma) {
-        if (SPRNN_PROBE_MODE != 1)
-          mma_compute_rows<D, BT>(a_s, h_s, H, nu * G, mma_w, areg, rows_cap16, acc_s);
-      } else if (SPRNN_PROBE_MODE != 1) {
+      if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
           compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
         else

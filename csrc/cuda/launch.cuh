@@ -29,13 +29,8 @@ auto by_dtype(int dtype, F&& f) {
 // kernel_core.cuh). The naive layout (variant 0) is built for BT = 4 only. The planner
 // (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
 // h bytes in flight per thread) exists for the wide tile 4 only: `deep` elsewhere is ignored.
-// The mma build (tensor-core rows, mma_rows.cuh) exists for 16-bit tile 4 only.
 template <Cell C, DType D>
-KernelFn persistent_kernel(int bt, bool wide, bool deep, bool mma) {
-  if (mma) {
-    if constexpr (D == DType::kF32) return nullptr;
-    else return bt == 4 ? &persistent_fwd<C, D, 4, false, false, true> : nullptr;
-  }
+KernelFn persistent_kernel(int bt, bool wide, bool deep) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
   switch (bt) {
     case 1: return &persistent_fwd<C, D, 1, true>;
@@ -81,7 +76,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
 
 // Per-cell entry points (one translation unit each: SPRNN_DEFINE_CELL_ENTRY there).
 #define SPRNN_CELL_ENTRY(name)                                                            \
-  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool mma);     \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep);               \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
                                cudaStream_t s);
@@ -92,9 +87,9 @@ SPRNN_CELL_ENTRY(gru)
 
 // The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
 #define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
-  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool mma) {   \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep) {             \
     return by_dtype(dtype, [&](auto d) {                                                 \
-      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, mma);              \
+      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep);                   \
     });                                                                                  \
   }                                                                                      \
   KernelFn pick_cluster_##name(int dtype, int bt) {                                      \
