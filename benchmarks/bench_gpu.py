@@ -1,10 +1,12 @@
 """Times the sparse persistent kernel against dense JAX peers on the same inputs, in one run.
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
-                                   [--batch] [--tune] [--groups] [--cluster]
+                                   [--batch] [--tune] [--groups] [--cluster] [--deep]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
+--deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
+and float16 (the planner turns it on for float32 H > 2048 and 16-bit H > 4096 at 512 threads).
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -230,6 +232,8 @@ def main():
                     help="batch groups (SPRNN_CUDA_GROUPS) vs the default plan, B = 8 to 64")
     ap.add_argument("--cluster", action="store_true",
                     help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
+    ap.add_argument("--deep", action="store_true",
+                    help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--cluster-knobs", action="store_true",
                     help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
     ap.add_argument("--ncu-one", type=int, default=None,
@@ -271,7 +275,7 @@ def main():
         knobs = [{}, {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_ROW_LANES": "32"},
                  {"SPRNN_CUDA_THREADS": "384"}, {"SPRNN_CUDA_THREADS": "512"},
                  {"SPRNN_CUDA_SPIN_NS": "50"}, {"SPRNN_CUDA_BLOCKS": "66"},
-                 {"SPRNN_CUDA_BT": "2"}]
+                 {"SPRNN_CUDA_BT": "2"}, {"SPRNN_CUDA_SYNC_CHECK": "0"}]
         for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("rnn", "relu", 2304, 0.3),
                                 ("rnn", "relu", 5760, 0.1), ("lstm", None, 1024, 0.1),
                                 ("lstm", None, 4096, 0.1)]:
@@ -376,6 +380,22 @@ def main():
         lines += ["", "B=64 knobs (us/step; {} = the default plan, 8 batch groups of 8 on 16 blocks each on the H200):", ""]
         lines += [f"- {k}: {v:.2f}" for k, v in row.items() if k.startswith("{")]
         save()
+    if args.deep:
+        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+        lines += ["", "## Deep gather off / on (B=4, ReLU d=10%, us/step; {} = default plan)", ""]
+        for dt, Hs in [(jnp.float32, [1536, 2048, 2304, 3072, 4608]),
+                       (jnp.float16, [4096, 4608])]:
+            for H in Hs:
+                f, xp, c0 = kernel_call("rnn", "relu", H, 4, T, 0.1, dt)
+                row = dict(cell="rnn", H=H, density=0.1, dtype=jnp.dtype(dt).name, sweep="deep",
+                           plan_deep=cuda_lowering.plan(
+                               "rnn", dt, H, 4, int(0.1 * H * H))["deep_gather"])
+                knobs = [{}, {"SPRNN_CUDA_DEEP_GATHER": "0"}, {"SPRNN_CUDA_DEEP_GATHER": "1"}]
+                time_knobs(f, xp, c0, knobs, row, T)
+                print(json.dumps(row), flush=True)
+                res.setdefault("deep", []).append(row)
+                lines.append("- " + json.dumps(row))
+                save()
     if args.groups:
         # Batch groups (SPRNN_CUDA_GROUPS=n: n tiles of about B / n run at once, each on its own
         # blocks) against the default plan, per layer and batch.
