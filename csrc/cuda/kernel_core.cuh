@@ -593,12 +593,12 @@ struct RowMap {
 // One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
 // kPredicated, only those below k1: the others do no FMA, since 0 * inf would be NaN), all
 // weight loads first, then all gathers, then the FMAs into acc.
-template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated, DType DH = D>
+template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated>
 __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
-                                          const typename Tr<DH>::S* h_s, int H, int k, int k1,
-                                          int b0, float (&acc)[RowMap<DH, BT, kWide>::kNV]) {
+                                          const typename Tr<D>::S* h_s, int H, int k, int k1,
+                                          int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
-  constexpr int kNV = RowMap<DH, BT, kWide>::kNV;
+  constexpr int kNV = RowMap<D, BT, kWide>::kNV;
   typename T::W wq[kDepth];
   bool on[kDepth];
 #pragma unroll
@@ -611,7 +611,7 @@ __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
   for (int q = 0; q < kDepth; ++q) {
     int col;
     T::unpack_w(wq[q], v[q], col);
-    gather_h<DH, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
+    gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
   }
 #pragma unroll
   for (int q = 0; q < kDepth; ++q)
@@ -628,14 +628,14 @@ __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
 // float32: acc holds this lane's partial sums (compute_rows sums the slices). A group without a
 // row passes k0 = k1 = 0. With kLPN = 1 and whole warps a row's k-th nonzero goes to lane
 // k % 32, which is what the bank-aware packing order assumes.
-template <DType D, int BT, bool kWide, int kGroup = 32, DType DH = D>
+template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W* w_s,
                                         long long kb0, long long n_in,
-                                        const typename Tr<DH>::S* h_s, int k0, int k1,
-                                        float (&acc)[RowMap<DH, BT, kWide>::kNV]) {
+                                        const typename Tr<D>::S* h_s, int k0, int k1,
+                                        float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
-  using M = RowMap<DH, BT, kWide>;
+  using M = RowMap<D, BT, kWide>;
   constexpr int kNV = M::kNV, kLPN = M::kLPN, kNS = kGroup / kLPN;
   static_assert(kGroup == 32 || kGroup == 16, "whole or half warps");
   const int H = p.H;
@@ -653,11 +653,11 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
     // never diverges (lanes of one row differ by one nonzero at most).
     int kr = k0;
     for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
-      dot_round<D, BT, kWide, kNS, kRowDepth, false, DH>(w_s, h_s, H, kr + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
     if (k1 - kr > kRowTailDepth * kNS) {
-      dot_round<D, BT, kWide, kNS, kRowDepth, true, DH>(w_s, h_s, H, kr + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kNS, kRowDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
     } else if (kr < k1) {
-      dot_round<D, BT, kWide, kNS, kRowTailDepth, true, DH>(w_s, h_s, H, kr + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kNS, kRowTailDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
     }
   } else {
     const S* vals = static_cast<const S*>(p.values) + kb0;
@@ -667,7 +667,7 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
       const float v = T::to_f(vals[k]);
       const int col = __ldg(col_idx + k);
       float hv[kNV];
-      gather_h<DH, BT, kNV, kWide>(h_s, H, col, b0, hv);
+      gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
 #pragma unroll
       for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
     }
@@ -715,12 +715,12 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
-template <DType D, int BT, bool kWide, int kGroup = 32, DType DH = D>
+template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
                                              long long kb0, long long n_in,
-                                             const typename Tr<DH>::S* h_s, const int* rows_s,
+                                             const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows, float* acc_s) {
-  using M = RowMap<DH, BT, kWide>;
+  using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x & 31;
   const int g = lane % kGroup;
@@ -729,7 +729,7 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     const int r = base + lane / kGroup;
     const bool has_row = r < nrows;
     float acc[M::kNV];
-    row_dot<D, BT, kWide, kGroup, DH>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
+    row_dot<D, BT, kWide, kGroup>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
                                   has_row ? rows_s[r + 1] : 0, acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
@@ -884,24 +884,11 @@ constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 // threads with up to 128 registers, smaller tiles 1024.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
-// EXPERIMENT (step probe A/B only): SPRNN_H_TILE_F32=1 keeps the h tile of the 16-bit wide
-// tiles up to 4 in float32 (converted once per unit in the gather instead of per nonzero in
-// the rows).
-#ifndef SPRNN_H_TILE_F32
-#define SPRNN_H_TILE_F32 0
-#endif
-template <DType D, int BT, bool kWide>
-__host__ __device__ constexpr DType tile_dtype() {
-  return SPRNN_H_TILE_F32 && D != DType::kF32 && kWide && BT <= 4 ? DType::kF32 : D;
-}
-
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
-  constexpr DType DH = tile_dtype<D, BT, kWide>();  // the h tile's type
-  using HS = typename Tr<DH>::S;
   using X = typename T::X;
   using W = typename T::W;
   constexpr int G = gates_of(kCell);
@@ -919,8 +906,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h
   // (h_s[col * BT + b0 .. + kNV]); registers stay those of BT = 8.
-  constexpr int kNV = RowMap<DH, BT, kWide>::kNV;
-  constexpr int kLPN = RowMap<DH, BT, kWide>::kLPN;
+  constexpr int kNV = RowMap<D, BT, kWide>::kNV;
+  constexpr int kLPN = RowMap<D, BT, kWide>::kLPN;
   // The needed-column filter (p.col_filter) is built into the large-tile kernels only: that is
   // where the h gathers dominate (H * BT words per block and round). For tiles up to 8 its
   // per-item check cost more than the loads it saved (step probe: 2.40 vs 2.01 us/step at
@@ -962,13 +949,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     return;
   }
   const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
-                                   static_cast<int>(sizeof(HS)), static_cast<int>(sizeof(W)));
-  HS* h_s = reinterpret_cast<HS*>(smem + L.h_off);
-  // Storage bits -> the tile's bits (float32 bits for a float32 tile of a 16-bit layer).
-  auto tile_bits = [](uint32_t b) -> uint32_t {
-    if constexpr (DH != D) return __float_as_uint(T::bits_to_f(b));
-    else return b;
-  };
+                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
+  S* h_s = reinterpret_cast<S*>(smem + L.h_off);
   uint32_t* cmask = reinterpret_cast<uint32_t*>(smem + L.m_off);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
   float* hst = reinterpret_cast<float*>(smem + L.hst_off);
@@ -1040,9 +1022,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 #pragma unroll
           for (int i = 0; i < kRW; ++i) {
             const int b = j * BT + c0 + i;
-            bits[i] = b < B ? tile_bits(T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u]))) : 0u;
+            bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
           }
-          store_h<HS, BT, kRW, kWide>(h_s, H, it, bits);
+          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else if (!p.lamport) {
         if (tid == 0) {
@@ -1085,9 +1067,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               }
             }
           }
-#pragma unroll
-          for (int i = 0; i < kRW; ++i) bits[i] = tile_bits(bits[i]);
-          store_h<HS, BT, kRW, kWide>(h_s, H, it, bits);
+          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else {
         const uint32_t tag = T::tag_of(s - 1);
@@ -1123,8 +1103,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               if (ok) {
                 uint32_t bits[kCW];
 #pragma unroll
-                for (int q = 0; q < kCW; ++q) bits[q] = tile_bits(T::x_bits(w[i][q]));
-                store_h<HS, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
+                for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
+                store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
                 pending &= ~(1u << i);
               }
             }
@@ -1141,9 +1121,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
-          compute_rows<D, BT, kWide, 16, DH>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
         else
-          compute_rows<D, BT, kWide, 32, DH>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
