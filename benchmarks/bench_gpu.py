@@ -2,9 +2,12 @@
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
+                                   [--spread]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
+--spread: one plan timed 8 times in turn, with and without the per-call sync check
+(SPRNN_CUDA_SYNC_CHECK), to see how far single timings of the same kernel scatter.
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
 and float16 (the planner turns it on for float32 H > 2048 and 16-bit H > 4096 at 512 threads).
 
@@ -232,6 +235,8 @@ def main():
                     help="batch groups (SPRNN_CUDA_GROUPS) vs the default plan, B = 8 to 64")
     ap.add_argument("--cluster", action="store_true",
                     help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
+    ap.add_argument("--spread", action="store_true",
+                    help="one plan timed 8 times in turn, sync check on / off (B=4, fp16)")
     ap.add_argument("--deep", action="store_true",
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--cluster-knobs", action="store_true",
@@ -380,6 +385,20 @@ def main():
         lines += ["", "B=64 knobs (us/step; {} = the default plan, 8 batch groups of 8 on 16 blocks each on the H200):", ""]
         lines += [f"- {k}: {v:.2f}" for k, v in row.items() if k.startswith("{")]
         save()
+    if args.spread:
+        lines += ["", "## Spread of single timings (B=4, fp16, us/step, 8 timings in turn)", ""]
+        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+            f, xp, c0 = kernel_call(cell, act, H, 4, T, d, jnp.float16)
+            row = dict(cell=cell, H=H, density=d, sweep="spread", on=[], off=[])
+            for _ in range(8):
+                for key, kn in [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]:
+                    with knobs_set(kn):
+                        row[key].append(timeit(f, xp, c0) / (K * T) * 1e6)
+            print(json.dumps(row), flush=True)
+            res.setdefault("spread", []).append(row)
+            lines += [f"- {config_name(cell, H, d, jnp.float16)}, sync check {key}: "
+                      + " ".join(f"{v:.2f}" for v in row[key]) for key in ("on", "off")]
+            save()
     if args.deep:
         from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
         lines += ["", "## Deep gather off / on (B=4, ReLU d=10%, us/step; {} = default plan)", ""]
