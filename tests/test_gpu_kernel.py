@@ -228,8 +228,9 @@ def test_batch_groups(cell, dtype, monkeypatch):
 @pytest.mark.parametrize("cell", CELLS)
 def test_deep_gather(cell, dtype, monkeypatch):
     # The tile-4 build with twice the h bytes in flight per thread (launch.cuh, handlers.cu):
-    # by default where a block's gather needs more than one round (a large H), and forced on
-    # every shape (tiles other than 4 ignore it) with SPRNN_CUDA_DEEP_GATHER=1.
+    # the default plan at a large H (deep for 16-bit layers whose gather needs more than one
+    # round), and forced on every shape (tiles other than 4 ignore it) with
+    # SPRNN_CUDA_DEEP_GATHER=1, float32 included.
     check(cell, dtype, (3, 4, 4608 if cell == "rnn" else 2304, 0.05, "skewed"), 3, 1)
     monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
     for n, shape in enumerate(SHAPES):

@@ -283,15 +283,16 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     best.threads = static_cast<int>(32 * std::clamp<long long>(rows + 3, 8, kPersistentThreads / 32));
   }
   best.threads = std::min(best.threads, kPersistentThreads);
-  // The deep-gather build where a block's gather of the tile-4 h (one chunk per unit) needs
-  // more than one round of the default depth (kernel_core.cuh gather_chunks):
+  // The deep-gather build where a 16-bit layer's gather of the tile-4 h (one chunk per unit)
+  // needs more than one round of the default depth (kernel_core.cuh gather_chunks):
   // ReLU H=5760 fp16 5.88 -> 5.56 us/step in the step probe, while the layers that need one
-  // round lose 3-14% with it (benchmarks/NOTES.md, session 8). SPRNN_CUDA_DEEP_GATHER=0/1
-  // forces it off/on (tile 4 of the Lamport variant only).
+  // round lose 3-14% with it (benchmarks/NOTES.md, session 8). Not for float32: timed through
+  // JAX at H=2304..4608 it gained nothing and at H=4608 lost 6-9% (session 9).
+  // SPRNN_CUDA_DEEP_GATHER=0/1 forces it off/on (tile 4 of the Lamport variant only).
   if (best.persistent && best.wide && best.lamport && best.bt == 4) {
     const long long chunks = gather_chunks(x_bytes_of(dtype), 4, false);
     const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
-    best.deep_gather = knob >= 0 ? knob != 0 : H > best.threads * chunks;
+    best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * chunks;
   }
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a

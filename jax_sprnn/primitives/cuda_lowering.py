@@ -36,9 +36,9 @@ run at once, each on its own blocks holding the whole layer (at most 128 rows pe
 without them every block runs every tile in turn. Threads per
 block: a warp per row of the block plus three, 8 to 16 warps (the kernel is built for 512);
 where a block has more rows than warps but at most twice as many, each warp takes two rows
-side by side (half a warp each). With a batch tile of 4, a layer whose gather of h needs more
-than one round of loads per thread (16-bit H > 4096, float32 H > 2048 at 512 threads) runs a
-build with twice the h bytes in flight per thread (the plan's ``deep_gather``). The 16-bit
+side by side (half a warp each). With a batch tile of 4, a 16-bit layer whose gather of h needs
+more than one round of loads per thread (H > 4096 at 512 threads) runs a build with twice the
+h bytes in flight per thread (the plan's ``deep_gather``; float32 only when forced). The 16-bit
 cells use hardware exp2 / reciprocal for exp, tanh and sigmoid (about 1e-7 absolute error);
 float32 uses CUDA's accurate expf / tanhf and a reciprocal refined by one Newton step in the
 sigmoid (about 1 ulp).
