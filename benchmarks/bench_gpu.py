@@ -9,7 +9,8 @@ target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_C
 --spread: one plan timed 8 times in turn, with and without the per-call sync check
 (SPRNN_CUDA_SYNC_CHECK), to see how far single timings of the same kernel scatter.
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
-and float16 (the planner turns it on for float32 H > 2048 and 16-bit H > 4096 at 512 threads).
+and float16 (the planner turns it on for 16-bit H > 4096 at 512 threads; for float32 only when
+forced, since session 9).
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
