@@ -13,6 +13,8 @@ pytestmark = pytest.mark.skipif(_ffi.cuda_module is None, reason="needs _sprnn_c
 if _ffi.cuda_module is not None:
     from jax_sprnn.primitives import cuda_lowering
 
+H200 = dict(sms=132, smem_optin=232448, cc_major=9)
+
 
 def test_batch_group_plans():
     # The default's batch groups: the most that keep tiles of 4+ and <= 128 rows per block.
@@ -22,13 +24,13 @@ def test_batch_group_plans():
                                       ("rnn", 2304, 0.3, 64, 1, 32)]:  # too big to replicate
         gates = 4 if cell == "lstm" else 1
         info = cuda_lowering.plan(cell, jnp.float16, H, B, int(d * H * H * gates), variant=3,
-                                  sms=132, smem_optin=232448, cc_major=9)
+                                  **H200)
         assert (info["groups"], info["batch_tile"]) == (groups, bt), (cell, H, B, info)
         assert info["on_chip"] and info["blocks"] == 132 // groups * groups, info
 
 
 def test_cluster_plans():
-    h200 = dict(sms=132, smem_optin=232448, cc_major=9, variant=5)
+    h200 = dict(H200, variant=5)
     nnz = int(0.1 * 1152 * 1152)
     info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **h200)
     got = (info["variant"], info["cluster"], info["batch_tile"], info["blocks"])
@@ -49,19 +51,16 @@ def test_cluster_plans():
     info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, max_cluster=8, **h200)
     assert info["cluster"] == 8, info
     # The default never picks clusters (measured slower, benchmarks/NOTES.md).
-    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, sms=132, smem_optin=232448,
-                              cc_major=9)["variant"] == 3
+    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **H200)["variant"] == 3
 
 
 def test_deep_gather_plans(monkeypatch):
-    h200 = dict(sms=132, smem_optin=232448, cc_major=9)
-
     def deep(cell, dtype, H, B=4, d=0.1):
         gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
-        info = cuda_lowering.plan(cell, dtype, H, B, int(d * gates * H * H), **h200)
+        info = cuda_lowering.plan(cell, dtype, H, B, int(d * gates * H * H), **H200)
         return info["deep_gather"], info
 
-    # 512 threads x 8 chunks (16-bit) or x 4 chunks (float32) cover H units in one round.
+    # 16-bit: 512 threads x 8 chunks cover H units in one round; float32 only when forced.
     assert deep("rnn", jnp.float16, 5760)[0], deep("rnn", jnp.float16, 5760)[1]
     assert not deep("rnn", jnp.float16, 1152)[0]
     assert not deep("lstm", jnp.float16, 4096)[0]  # exactly one round
