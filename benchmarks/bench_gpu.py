@@ -2,12 +2,15 @@
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
-                                   [--spread]
+                                   [--spread] [--overhead]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
 --spread: one plan timed 8 times in turn, with and without the per-call sync check
 (SPRNN_CUDA_SYNC_CHECK), to see how far single timings of the same kernel scatter.
+--overhead: the per-call cost through JAX: us per recurrence at T = 16 .. 1024 with the sync
+check on / off, and a least-squares line (intercept = us per call, slope = us per step), beside
+a trivial jitted call of the same shape (the dispatch floor).
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
 and float16 (the planner turns it on for 16-bit H > 4096 at 512 threads; for float32 only when
 forced, since session 9).
@@ -238,6 +241,8 @@ def main():
                     help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
     ap.add_argument("--spread", action="store_true",
                     help="one plan timed 8 times in turn, sync check on / off (B=4, fp16)")
+    ap.add_argument("--overhead", action="store_true",
+                    help="us per call and per step from T = 16 .. 1024 (B=4, fp16)")
     ap.add_argument("--deep", action="store_true",
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--cluster-knobs", action="store_true",
@@ -400,6 +405,29 @@ def main():
             lines += [f"- {config_name(cell, H, d, jnp.float16)}, sync check {key}: "
                       + " ".join(f"{v:.2f}" for v in row[key]) for key in ("on", "off")]
             save()
+    if args.overhead:
+        lines += ["", "## Per-call cost (B=4, fp16): us per recurrence at each T; line fit", ""]
+        floor_f = jax.jit(lambda x: x + 1)
+        x1 = jnp.zeros((4, 1024), jnp.float16)
+        floor_us = timeit(floor_f, x1) * 1e6
+        lines.append(f"- a trivial jitted call (dispatch + sync floor): {floor_us:.1f} us")
+        Ts = (16, 64, 256, 1024)
+        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+            for key, kn in [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]:
+                row = dict(cell=cell, H=H, density=d, sweep="overhead", sync_check=key,
+                           floor_us=floor_us)
+                with knobs_set(kn):
+                    per_call = [timeit(*kernel_call(cell, act, H, 4, t, d, jnp.float16)) / K * 1e6
+                                for t in Ts]
+                slope, intercept = np.polyfit(Ts, per_call, 1)
+                row.update(T=list(Ts), us_per_recurrence=per_call, us_per_step=float(slope),
+                           us_per_call=float(intercept))
+                print(json.dumps(row), flush=True)
+                res.setdefault("overhead", []).append(row)
+                lines.append(f"- {config_name(cell, H, d, jnp.float16)}, sync check {key}: "
+                             + ", ".join(f"T={t} {v:.1f}" for t, v in zip(Ts, per_call))
+                             + f" us; fit {slope:.3f} us/step + {intercept:.1f} us/call")
+                save()
     if args.deep:
         from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
         lines += ["", "## Deep gather off / on (B=4, ReLU d=10%, us/step; {} = default plan)", ""]
