@@ -8,9 +8,9 @@
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
 --spread: one plan timed 8 times in turn, with and without the per-call sync check
 (SPRNN_CUDA_SYNC_CHECK), to see how far single timings of the same kernel scatter.
---overhead: the per-call cost through JAX: us per recurrence at T = 16 .. 1024 with the sync
-check on / off, and a least-squares line (intercept = us per call, slope = us per step), beside
-a trivial jitted call of the same shape (the dispatch floor).
+--overhead: the per-call cost through JAX: us per recurrence at T = 1, 16, 256, 1024 with the
+sync check on / off (interleaved rounds), the per-step cost from T=256 to 1024 and the fixed
+cost per recurrence, beside a trivial jitted call (the dispatch floor).
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
 and float16 (the planner turns it on for 16-bit H > 4096 at 512 threads; for float32 only when
 forced, since session 9).
@@ -242,7 +242,7 @@ def main():
     ap.add_argument("--spread", action="store_true",
                     help="one plan timed 8 times in turn, sync check on / off (B=4, fp16)")
     ap.add_argument("--overhead", action="store_true",
-                    help="us per call and per step from T = 16 .. 1024 (B=4, fp16)")
+                    help="fixed us per recurrence and us per step, T = 1 .. 1024 (B=4, fp16)")
     ap.add_argument("--deep", action="store_true",
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--cluster-knobs", action="store_true",
@@ -406,27 +406,36 @@ def main():
                       + " ".join(f"{v:.2f}" for v in row[key]) for key in ("on", "off")]
             save()
     if args.overhead:
-        lines += ["", "## Per-call cost (B=4, fp16): us per recurrence at each T; line fit", ""]
+        # Interleaved rounds (clock drift hits every T alike); per_step from T=256 -> 1024, the
+        # fixed cost per recurrence = T=1 minus one step (it includes the dispatch floor / K).
+        lines += ["", "## Per-call cost (B=4, fp16): us per recurrence (median of rounds)", ""]
         floor_f = jax.jit(lambda x: x + 1)
         x1 = jnp.zeros((4, 1024), jnp.float16)
-        floor_us = timeit(floor_f, x1) * 1e6
-        lines.append(f"- a trivial jitted call (dispatch + sync floor): {floor_us:.1f} us")
-        Ts = (16, 64, 256, 1024)
+        floor_us = timeit(floor_f, x1, reps=40) * 1e6
+        lines.append(f"- a trivial jitted call (dispatch + sync floor): {floor_us:.1f} us per call, "
+                     f"{floor_us / K:.1f} per recurrence")
+        Ts = (1, 16, 256, 1024)
         for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+            calls = {t: kernel_call(cell, act, H, 4, t, d, jnp.float16) for t in Ts}
             for key, kn in [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]:
-                row = dict(cell=cell, H=H, density=d, sweep="overhead", sync_check=key,
-                           floor_us=floor_us)
+                rounds = {t: [] for t in Ts}
                 with knobs_set(kn):
-                    per_call = [timeit(*kernel_call(cell, act, H, 4, t, d, jnp.float16)) / K * 1e6
-                                for t in Ts]
-                slope, intercept = np.polyfit(Ts, per_call, 1)
-                row.update(T=list(Ts), us_per_recurrence=per_call, us_per_step=float(slope),
-                           us_per_call=float(intercept))
+                    for _ in range(3):
+                        for t in Ts:
+                            rounds[t].append(timeit(*calls[t], reps=30) / K * 1e6)
+                per_rec = {t: float(np.median(v)) for t, v in rounds.items()}
+                per_step = (per_rec[1024] - per_rec[256]) / 768
+                fixed = per_rec[1] - per_step
+                row = dict(cell=cell, H=H, density=d, sweep="overhead", sync_check=key,
+                           floor_us=floor_us, us_per_recurrence=per_rec, rounds=rounds,
+                           us_per_step=per_step, us_fixed_per_recurrence=fixed,
+                           us_per_step_at_256=per_rec[256] / 256)
                 print(json.dumps(row), flush=True)
                 res.setdefault("overhead", []).append(row)
                 lines.append(f"- {config_name(cell, H, d, jnp.float16)}, sync check {key}: "
-                             + ", ".join(f"T={t} {v:.1f}" for t, v in zip(Ts, per_call))
-                             + f" us; fit {slope:.3f} us/step + {intercept:.1f} us/call")
+                             + ", ".join(f"T={t} {v:.1f}" for t, v in per_rec.items())
+                             + f" us; {per_step:.3f} us/step (T=256 -> 1024) + {fixed:.1f} us "
+                             f"fixed; at T=256 {per_rec[256] / 256:.3f} us/step")
                 save()
     if args.deep:
         from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
