@@ -745,67 +745,6 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
   }
 }
 
-// Step 2 when a warp has several short rows (LSTM H=1024: ~8 rows of ~100 nonzeros per warp):
-// the warp takes kR = 32 / kNV consecutive rows at once, each lane accumulating its share of
-// every row (a row's k-th nonzero on lane k % 32, as the bank-aware order assumes), then sums
-// all kR * kNV values in one transposed reduction that leaves one (row, column) sum per lane.
-// One row at a time (compute_rows), each row's few nonzeros per lane and its shuffle reduction
-// are a dependent chain paid per row; here the rows' loads are in flight together and the
-// reduction's chain is paid once per kR rows.
-constexpr int kMultiRowDepth = 4;  // nonzeros per lane and row in the first, joint round
-template <DType D, int BT, bool kWide>
-__device__ __forceinline__ void compute_rows_multi(const Params& p, const typename Tr<D>::W* w_s,
-                                                   long long kb0, long long n_in,
-                                                   const typename Tr<D>::S* h_s,
-                                                   const int* rows_s, int nrows, float* acc_s) {
-  using M = RowMap<D, BT, kWide>;
-  if constexpr (M::kLPN != 1) {
-    return;  // never called (persistent_fwd's multi_rows): every lane must hold the whole tile
-  } else {
-  static_assert(32 % M::kNV == 0, "kR rows of kNV columns fill a warp");
-  constexpr int kNV = M::kNV, kR = 32 / kNV, kStride = 32 * kMultiRowDepth;
-  const int lane = threadIdx.x & 31;
-  for (int base = (threadIdx.x >> 5) * kR; base < nrows; base += (blockDim.x >> 5) * kR) {
-    int k0[kR], k1[kR];
-#pragma unroll
-    for (int q = 0; q < kR; ++q) {
-      const bool has_row = base + q < nrows;
-      k0[q] = has_row ? rows_s[base + q] : 0;
-      k1[q] = has_row ? rows_s[base + q + 1] : 0;
-    }
-    float acc[kR][kNV];
-    if (rows_s[base + kR < nrows ? base + kR : nrows] <= n_in) {
-#pragma unroll
-      for (int q = 0; q < kR; ++q)
-#pragma unroll
-        for (int i = 0; i < kNV; ++i) acc[q][i] = 0.0f;
-#pragma unroll
-      for (int q = 0; q < kR; ++q)
-        dot_round<D, BT, kWide, 32, kMultiRowDepth, true>(w_s, h_s, p.H, k0[q] + lane, k1[q], 0,
-                                                          acc[q]);
-#pragma unroll
-      for (int q = 0; q < kR; ++q)  // rows longer than one round (uniform in the warp)
-        for (int kr = k0[q] + kStride; kr < k1[q]; kr += kStride)
-          dot_round<D, BT, kWide, 32, kMultiRowDepth, true>(w_s, h_s, p.H, kr + lane, k1[q], 0,
-                                                            acc[q]);
-    } else {  // some nonzeros are read from global memory: row by row
-#pragma unroll
-      for (int q = 0; q < kR; ++q)
-        row_dot<D, BT, kWide>(p, w_s, kb0, n_in, h_s, k0[q], k1[q], acc[q]);
-    }
-    float flat[kR * kNV];
-#pragma unroll
-    for (int q = 0; q < kR; ++q)
-#pragma unroll
-      for (int i = 0; i < kNV; ++i) flat[q * kNV + i] = acc[q][i];
-    int col;  // q * kNV + i
-    const float sum = sum_slices_transposed<kR * kNV, 32>(flat, lane, col);
-    const int r = base + col / kNV;
-    if (r < nrows) acc_s[r * BT + col % kNV] = sum;
-  }
-  }
-}
-
 // The G row results of pair (unit ul, tile column bt) from acc_s.
 template <int G, int BT>
 __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, float* hw) {
@@ -1053,14 +992,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool two_rows_per_warp =
       p.row_lanes == 16 ||
       (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
-  // Several short rows per warp (more rows than half warps, ~one joint round each): rows
-  // kR at a time (compute_rows_multi). (SPRNN_MULTI_ROWS: a macro while measured.)
-#ifndef SPRNN_MULTI_ROWS
-#define SPRNN_MULTI_ROWS 0
-#endif
-  const bool multi_rows = SPRNN_MULTI_ROWS != 0 && kLPN == 1 && p.row_lanes == 0 &&
-                          nu * G > 2 * (nthr >> 5) &&
-                          (kb1 - kb0) <= static_cast<long long>(nu) * G * 32 * kMultiRowDepth;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -1189,9 +1120,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
-        if (multi_rows)
-          compute_rows_multi<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
-        else if (two_rows_per_warp)
+        if (two_rows_per_warp)
           compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
         else
           compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
