@@ -44,22 +44,15 @@ SPRNN_HD float rnn_step(float x, float hw) {
   }
 }
 
-// lstm gate k (order i, f, g, o) from its pre-activation: tanh for g, sigmoid for the others.
-template <class M = LibmMath>
-SPRNN_HD float lstm_gate(int k, float pre) { return k == 2 ? M::tanh(pre) : sigmoid<M>(pre); }
-
-// lstm from the four gate activations: updates c and returns h'.
-template <class M = LibmMath>
-SPRNN_HD float lstm_cell(float i, float f, float g, float o, float& c) {
-  c = f * c + i * g;
-  return o * M::tanh(c);
-}
-
 // lstm: gate pre-activations (x + hw) in the order i, f, g, o; updates c and returns h'.
 template <class M = LibmMath>
 SPRNN_HD float lstm_step(const float pre[4], float& c) {
-  return lstm_cell<M>(lstm_gate<M>(0, pre[0]), lstm_gate<M>(1, pre[1]), lstm_gate<M>(2, pre[2]),
-                      lstm_gate<M>(3, pre[3]), c);
+  const float i = sigmoid<M>(pre[0]);
+  const float f = sigmoid<M>(pre[1]);
+  const float g = M::tanh(pre[2]);
+  const float o = sigmoid<M>(pre[3]);
+  c = f * c + i * g;
+  return o * M::tanh(c);
 }
 
 // gru: x and hw in the order r, z, n; returns h'.

@@ -518,16 +518,12 @@ __device__ __forceinline__ PairStep pair_step(const Params& p, int s, int len, i
 // in the storage type: callers that prefetch convert at the use, so that the loads stay in
 // flight until then (a conversion right after the load waits for it).
 template <DType D, int G>
-__device__ __forceinline__ typename Tr<D>::S load_x_gate(const Params& p, const PairStep& ps, int u,
-                                                         int g) {
-  using S = typename Tr<D>::S;
-  return static_cast<const S*>(p.xp)[(ps.o - u) * G + u + static_cast<long long>(g) * p.H];
-}
-template <DType D, int G>
 __device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps, int u,
                                             typename Tr<D>::S* x) {
+  using S = typename Tr<D>::S;
+  const S* xq = static_cast<const S*>(p.xp) + (ps.o - u) * G + u;
 #pragma unroll
-  for (int g = 0; g < G; ++g) x[g] = load_x_gate<D, G>(p, ps, u, g);
+  for (int g = 0; g < G; ++g) x[g] = xq[static_cast<long long>(g) * p.H];
 }
 
 // Copies nonzeros [kb0, kb0 + n_in) into shared memory as packed (value, column) words.
@@ -792,28 +788,6 @@ struct CellMathOf<DType::kF32> { using type = AccurateCellMath; };
 template <DType D>
 using CellMath = typename CellMathOf<D>::type;
 
-// The writes of step 3 for one pair: for a valid step the state hst/cst[si] and ys/cs at ps.o;
-// at a padding position zeros (padding columns b >= B write nothing).
-template <Cell kCell, DType D>
-__device__ __forceinline__ void store_pair(const Params& p, const PairStep& ps, int b, int si,
-                                           float hnew, float c, float* hst, float* cst) {
-  using T = Tr<D>;
-  using S = typename T::S;
-  S* ys = static_cast<S*>(p.ys);
-  S* cs = static_cast<S*>(p.cs);
-  if (ps.valid) {
-    if constexpr (kCell == Cell::kLstm) {
-      cst[si] = c;
-      cs[ps.o] = T::from_f(c);
-    }
-    hst[si] = hnew;
-    ys[ps.o] = T::from_f(hnew);
-  } else if (b < p.B) {
-    ys[ps.o] = T::from_f(0.0f);
-    if constexpr (kCell == Cell::kLstm) cs[ps.o] = T::from_f(0.0f);
-  }
-}
-
 // Step 3 for one pair (unit u, sequence b, state index si) at step s (ps = pair_step): the cell
 // from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
 // it, else loaded here), the ys/cs writes and the float32 state hst/cst[si]. Returns the new h
@@ -835,50 +809,31 @@ __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps
   float x[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) x[g] = T::to_f(xs[g]);
-  float hnew = hst[si], c = 0.0f;
+  const float hprev = hst[si];
+  float hnew = hprev;
+  S* ys = static_cast<S*>(p.ys);
+  S* cs = static_cast<S*>(p.cs);
   if (ps.valid) {
     if constexpr (kCell == Cell::kLstm) {
       float pre[4];
 #pragma unroll
       for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
-      c = cst[si];
+      float c = cst[si];
       hnew = lstm_step<CellMath<D>>(pre, c);
+      cst[si] = c;
+      cs[ps.o] = T::from_f(c);
     } else if constexpr (kCell == Cell::kGru) {
       const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
-      hnew = gru_step<CellMath<D>>(x, hw, bh, hnew);
+      hnew = gru_step<CellMath<D>>(x, hw, bh, hprev);
     } else {
       hnew = p.activation ? rnn_step<Cell::kRnnRelu, CellMath<D>>(x[0], hw[0])
                           : rnn_step<Cell::kRnnTanh, CellMath<D>>(x[0], hw[0]);
     }
-  }
-  store_pair<kCell, D>(p, ps, b, si, hnew, c, hst, cst);
-  return hnew;
-}
-
-// The LSTM's step 3 with the four gates of a pair on four consecutive lanes (k = lane % 4 is
-// the gate): each lane one gate activation, then lane k = 0 the cell from the group's gates
-// and the writes. One thread per pair ran the four activations and the cell as one dependent
-// chain (~130 instructions, step probe profile); here that chain is about a third as long.
-// Every lane of the warp calls it (shuffles); `active` lanes belong to a pair. xr: this lane's
-// prefetched x of gate k (have_x), hw: the row result of gate k. Returns h' on lane k = 0.
-template <DType D>
-__device__ __forceinline__ float update_lstm_lanes(const Params& p, const PairStep& ps, int u,
-                                                   int b, int si, int k, bool active, bool have_x,
-                                                   typename Tr<D>::S xr, float hw, float* hst,
-                                                   float* cst) {
-  using T = Tr<D>;
-  using M = CellMath<D>;
-  float x = 0.0f;
-  if (active && ps.valid) x = T::to_f(have_x ? xr : load_x_gate<D, 4>(p, ps, u, k));
-  const float a = lstm_gate<M>(k, x + hw);
-  const float gi = __shfl_sync(0xffffffffu, a, 0, 4), gf = __shfl_sync(0xffffffffu, a, 1, 4),
-              gg = __shfl_sync(0xffffffffu, a, 2, 4), go = __shfl_sync(0xffffffffu, a, 3, 4);
-  float hnew = 0.0f;
-  if (active && k == 0) {
-    float c = cst[si];
-    hnew = hst[si];
-    if (ps.valid) hnew = lstm_cell<M>(gi, gf, gg, go, c);
-    store_pair<Cell::kLstm, D>(p, ps, b, si, hnew, c, hst, cst);
+    hst[si] = hnew;
+    ys[ps.o] = T::from_f(hnew);
+  } else if (b < p.B) {  // padding position (padding columns b >= B write nothing)
+    ys[ps.o] = T::from_f(0.0f);
+    if constexpr (kCell == Cell::kLstm) cs[ps.o] = T::from_f(0.0f);
   }
   return hnew;
 }
@@ -1037,12 +992,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool two_rows_per_warp =
       p.row_lanes == 16 ||
       (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
-  // Lanes per (unit, b) pair in the cell update: the LSTM's four gates on four lanes
-  // (update_lstm_lanes). (SPRNN_LSTM_LANES: a macro while measured.)
-#ifndef SPRNN_LSTM_LANES
-#define SPRNN_LSTM_LANES 0
-#endif
-  constexpr int kPairLanes = kLstmCell && SPRNN_LSTM_LANES ? 4 : 1;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -1053,21 +1002,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 
       // This thread's first (unit, b) pair: its step, publish offset and input projection
       // (the loads in flight while the block waits for h), ready for the update.
-      // (With kPairLanes = 4, thread tid has gate tid % 4 of pair tid / 4.)
       S xr[G] = {};
       PairStep ps0{};
       long long xo0 = 0;
-      if (tid < npairs * kPairLanes) {
-        const int pi = tid / kPairLanes;
-        const int b = j * BT + pi % BT, u = u0 + pi / BT;
+      if (tid < npairs) {
+        const int b = j * BT + tid % BT, u = u0 + tid / BT;
         ps0 = pair_step(p, s, len_s[b], b, u);
-        xo0 = tile_off + static_cast<long long>(u) * BT + pi % BT;
-        if (ps0.valid) {
-          if constexpr (kPairLanes > 1)
-            xr[0] = load_x_gate<D, G>(p, ps0, u, tid % kPairLanes);
-          else
-            load_x_pair<D, G>(p, ps0, u, xr);
-        }
+        xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
+        if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
       }
 
       // 1. h_{s-1} of this tile into shared memory.
@@ -1186,41 +1128,24 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
 
-      // 3. Cell update and publish h_s of this tile and step at xo (Lamport: value + tag word;
-      // barrier mode: raw value).
-      auto publish = [&](long long xo, float hnew) {
+      // 3. Cell update and publish.
+      for (int pi = tid; pi < npairs; pi += nthr) {
+        const int ul = pi / BT, bt = pi % BT;
+        const int b = j * BT + bt;
+        const bool first = pi == tid;
+        float hw[G];
+        row_sums<G, BT>(acc_s, ul, bt, hw);
+        const float hnew =
+            update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
+                                  b, ul * bpad + b, first, xr, hw, hst, cst);
+        // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
+        const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
           st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
           __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
-        }
-      };
-      if constexpr (kPairLanes > 1) {
-        // Whole warps (shuffles): lane pl = base + lane has gate pl % 4 of pair pl / 4.
-        for (int base = tid & ~31; base < npairs * kPairLanes; base += nthr) {
-          const int pl = base + (tid & 31);
-          const bool active = pl < npairs * kPairLanes, first = pl == tid;
-          const int pi = active ? pl / kPairLanes : 0, k = pl % kPairLanes;
-          const int ul = pi / BT, bt = pi % BT, b = j * BT + bt;
-          const PairStep ps = first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul);
-          const float hnew = update_lstm_lanes<D>(p, ps, u0 + ul, b, ul * bpad + b, k, active, first,
-                                                  xr[0], acc_s[(ul * G + k) * BT + bt], hst, cst);
-          if (active && k == 0)
-            publish(first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt, hnew);
-        }
-      } else {
-        for (int pi = tid; pi < npairs; pi += nthr) {
-          const int ul = pi / BT, bt = pi % BT;
-          const int b = j * BT + bt;
-          const bool first = pi == tid;
-          float hw[G];
-          row_sums<G, BT>(acc_s, ul, bt, hw);
-          const float hnew =
-              update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
-                                    b, ul * bpad + b, first, xr, hw, hst, cst);
-          publish(first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt, hnew);
         }
       }
       SPRNN_PROBE_STAMP(s, 3);
