@@ -230,6 +230,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   std::vector<float> ms;
+  float traced_ms = 0;  // the traced run's whole kernel (cudaEvent), for the step-position line
   for (int rep = 0; rep < 18; ++rep) {
     unsigned long long* tp = rep == 17 ? trace : nullptr;  // the last run is traced
     CHECK(cudaMemcpyToSymbol(g_probe_trace, &tp, sizeof(tp)));
@@ -249,6 +250,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     float t = 0;
     CHECK(cudaEventElapsedTime(&t, e0, e1));
     if (rep >= 2 && rep < 17) ms.push_back(t);
+    if (rep == 17) traced_ms = t;
   }
   const double us_step = pct(ms, 0.5) * 1000.0 / kT;
 
@@ -321,6 +323,24 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), sm_ghz, err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");
+  // Where in the call the time goes (traced run): median period (us, from clock64) of the steps
+  // in each window, and the launch + prologue + tail = the whole kernel minus the span of the
+  // step-0 .. step-(T-1) gather starts (median over blocks, %globaltimer). Do the first steps of
+  // a call run slower than the rest (benchmarks/NOTES.md, session 10)?
+  {
+    const int win[] = {0, 2, 8, 32, 128, kT - 1};
+    std::printf("     step position: period p50 us");
+    for (int w = 0; w + 1 < 6; ++w) {
+      std::vector<double> v;
+      for (int st = win[w]; st < win[w + 1]; ++st)
+        for (int b = 0; b < nb; ++b) v.push_back((at(st + 1, b, 0) - at(st, b, 0)) / clock_ghz / 1000.0);
+      std::printf(" | steps %d-%d %.3f", win[w], win[w + 1] - 1, pct(v, 0.5));
+    }
+    std::vector<double> span;
+    for (int b = 0; b < nb; ++b) span.push_back((at(kT - 1, b, 4) - at(0, b, 4)) / 1000.0);
+    std::printf(" | whole kernel %.1f us, step 0 .. %d %.1f us, launch + prologue + last step + tail %.1f us\n",
+                traced_ms * 1000.0, kT - 1, pct(span, 0.5), traced_ms * 1000.0 - pct(span, 0.5));
+  }
   std::fflush(stdout);
   for (void* d : {const_cast<void*>(p.xp), const_cast<void*>(static_cast<const void*>(p.lengths)),
                   const_cast<void*>(p.values), const_cast<void*>(static_cast<const void*>(p.col_idx)),
