@@ -373,37 +373,6 @@ __device__ __forceinline__ void unit_range(const Params& p, int G, int j, int nb
   u1 = j == nb - 1 ? p.H : partition_unit(p.row_ptr, G, p.H, p.alpha, t1);
 }
 
-// unit_range with the whole block: the same two partition points, found with two rounds of
-// loads side by side (samples every `step` units, then the units of the one bracket that holds
-// the point) instead of two binary searches of ~log2(H) dependent loads each by one thread (a
-// few us of every call's prologue). c(u) = row_ptr[u * G] + alpha * u is nondecreasing, so the
-// samples below a target are a prefix and __syncthreads_count gives its length. Every thread
-// of the block calls it; all get the same u0, u1.
-__device__ __forceinline__ void unit_range_block(const Params& p, int G, int j, int nb, int& u0,
-                                                 int& u1) {
-  const int H = p.H, nthr = blockDim.x, t = threadIdx.x;
-  const long long total = static_cast<long long>(__ldg(p.row_ptr + static_cast<long long>(H) * G)) +
-                          static_cast<long long>(p.alpha) * H;
-  const long long t0 = (total * j + nb - 1) / nb;
-  const long long t1 = (total * (j + 1) + nb - 1) / nb;
-  auto c_of = [&](int u) {
-    return static_cast<long long>(__ldg(p.row_ptr + static_cast<long long>(u) * G)) +
-           static_cast<long long>(p.alpha) * u;
-  };
-  // Round 1: n = how many samples u = t * step (< H) lie below the target; the point is then
-  // in ((n - 1) * step, n * step] (n * step capped at H), or 0 when n = 0.
-  const int step = (H + nthr - 1) / nthr;
-  const long long cs = t * step < H ? c_of(t * step) : total;
-  const int n0 = __syncthreads_count(cs < t0), n1 = __syncthreads_count(cs < t1);
-  // Round 2: the units of each bracket, one per thread.
-  const int a0 = (n0 - 1) * step + 1, a1 = (n1 - 1) * step + 1;
-  const bool in0 = n0 > 0 && t < step && a0 + t < H, in1 = n1 > 0 && t < step && a1 + t < H;
-  const int m0 = __syncthreads_count(in0 && c_of(a0 + t) < t0);
-  const int m1 = __syncthreads_count(in1 && c_of(a1 + t) < t1);
-  u0 = j == 0 ? 0 : (n0 == 0 ? 0 : a0 + m0);
-  u1 = j == nb - 1 ? H : (n1 == 0 ? 0 : a1 + m1);
-}
-
 // Sets the bits of the h units a block reads (kernel_core's col_filter): the columns of its
 // nonzeros [kb0, kb1) and the first unit of every non-empty block of its nb-block partition.
 __device__ __forceinline__ void mark_columns(const Params& p, int G, long long kb0, long long kb1,
@@ -962,10 +931,19 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const int j_lo = groups > 1 ? grp : 0, j_hi = groups > 1 ? grp + 1 : p.ntiles;
   const int b_lo = j_lo * BT, b_hi = j_hi * BT < B ? j_hi * BT : B;
 
-  int u0, u_end;
-  unit_range_block(p, G, jb, nb, u0, u_end);
-  const int nu = u_end - u0;
-  const int lmax = max_seq_len(p, b_lo, b_hi);
+  __shared__ int sh_u[2];
+  __shared__ int sh_lmax;
+  if (tid == 0) {
+    int u0, u1;
+    unit_range(p, G, jb, nb, u0, u1);
+    sh_u[0] = u0;
+    sh_u[1] = u1;
+    sh_lmax = max_seq_len(p, b_lo, b_hi);
+  }
+  __syncthreads();
+  const int u0 = sh_u[0];
+  const int nu = sh_u[1] - u0;
+  const int lmax = sh_lmax;
   if (nu > p.u_cap) {  // cannot happen with the host's bound; never corrupt shared memory
     if (tid == 0) atomicExch(p.abort_flag, 2);
     return;
