@@ -18,6 +18,8 @@
 // build (kernel_core.cuh gather_words). Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
+// A second line splits the traced run by position: step periods in windows of the call, and
+// the launch + prologue + tail around the steps.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
