@@ -46,6 +46,10 @@ import jax_sprnn as sp  # noqa: E402
 K = 4          # recurrences per timed call
 REPS = 15
 GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+# The two small target layers (cell, activation, H, density) that --spread and --overhead time,
+# each with the per-call sync check on and off (the knob that turns it off).
+SMALL_LAYERS = [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]
+SYNC_CHECK_ON_OFF = [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]
 
 
 def timeit(f, *args, reps=REPS, warm_s=0.3):
@@ -393,11 +397,11 @@ def main():
         save()
     if args.spread:
         lines += ["", "## Spread of single timings (B=4, fp16, us/step, 8 timings in turn)", ""]
-        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+        for cell, act, H, d in SMALL_LAYERS:
             f, xp, c0 = kernel_call(cell, act, H, 4, T, d, jnp.float16)
             row = dict(cell=cell, H=H, density=d, sweep="spread", on=[], off=[])
             for _ in range(8):
-                for key, kn in [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]:
+                for key, kn in SYNC_CHECK_ON_OFF:
                     with knobs_set(kn):
                         row[key].append(timeit(f, xp, c0) / (K * T) * 1e6)
             print(json.dumps(row), flush=True)
@@ -415,9 +419,9 @@ def main():
         lines.append(f"- a trivial jitted call (dispatch + sync floor): {floor_us:.1f} us per call, "
                      f"{floor_us / K:.1f} per recurrence")
         Ts = (1, 16, 256, 1024)
-        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+        for cell, act, H, d in SMALL_LAYERS:
             calls = {t: kernel_call(cell, act, H, 4, t, d, jnp.float16) for t in Ts}
-            for key, kn in [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]:
+            for key, kn in SYNC_CHECK_ON_OFF:
                 rounds = {t: [] for t in Ts}
                 with knobs_set(kn):
                     for _ in range(3):

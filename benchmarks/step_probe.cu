@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -332,7 +333,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   {
     const int win[] = {0, 2, 8, 32, 128, kT - 1};
     std::printf("     step position: period p50 us");
-    for (int w = 0; w + 1 < 6; ++w) {
+    for (size_t w = 0; w + 1 < std::size(win); ++w) {
       std::vector<double> v;
       for (int st = win[w]; st < win[w + 1]; ++st)
         for (int b = 0; b < nb; ++b) v.push_back((at(st + 1, b, 0) - at(st, b, 0)) / clock_ghz / 1000.0);
