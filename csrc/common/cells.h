@@ -44,19 +44,6 @@ SPRNN_HD float rnn_step(float x, float hw) {
   }
 }
 
-// lstm gate `gate` (order i, f, g, o) from its pre-activation: tanh for g, sigmoid otherwise.
-template <class M = LibmMath>
-SPRNN_HD float lstm_gate(int gate, float pre) {
-  return gate == 2 ? M::tanh(pre) : sigmoid<M>(pre);
-}
-
-// lstm from the activated gates (i, f, g, o): updates c and returns h'.
-template <class M = LibmMath>
-SPRNN_HD float lstm_finish(const float act[4], float& c) {
-  c = act[1] * c + act[0] * act[2];
-  return act[3] * M::tanh(c);
-}
-
 // lstm: gate pre-activations (x + hw) in the order i, f, g, o; updates c and returns h'.
 template <class M = LibmMath>
 SPRNN_HD float lstm_step(const float pre[4], float& c) {
@@ -64,8 +51,8 @@ SPRNN_HD float lstm_step(const float pre[4], float& c) {
   const float f = sigmoid<M>(pre[1]);
   const float g = M::tanh(pre[2]);
   const float o = sigmoid<M>(pre[3]);
-  const float act[4] = {i, f, g, o};
-  return lstm_finish<M>(act, c);
+  c = f * c + i * g;
+  return o * M::tanh(c);
 }
 
 // gru: x and hw in the order r, z, n; returns h'.

@@ -552,42 +552,6 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
   }
 }
 
-// The cell math's exp, tanh and sigmoid (the `M` policy of common/cells.h) per storage type.
-// For the 16-bit types, hardware exp2 and reciprocal based ones: about 1e-7 absolute error, far
-// below the outputs' 16-bit rounding, and a few straight-line instructions where expf / tanhf /
-// an IEEE division take tens with branches and slow-path calls. The LSTM update is one warp's
-// dependent chain on every step's critical path (step probe: 0.64 us/step of 2.54 at H=1024).
-// float32: AccurateCellMath below.
-struct FastCellMath {
-  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
-  static __device__ __forceinline__ float tanh(float x) {
-    return __fdividef(2.0f, 1.0f + __expf(-2.0f * x)) - 1.0f;  // saturates to -1 / 1
-  }
-  static __device__ __forceinline__ float sigmoid(float x) {
-    return __fdividef(1.0f, 1.0f + __expf(-x));  // 0 once exp(-x) > 2^126
-  }
-};
-// float32: CUDA's accurate expf / tanhf, and a sigmoid without the division's slow-path call
-// (nvcc compiles 1.0f / y to MUFU.RCP plus a branch to a subroutine for denormal or huge y,
-// which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30,
-// so the approximate reciprocal plus one Newton step is within about 1 ulp and never needs it.
-struct AccurateCellMath {
-  static __device__ __forceinline__ float exp(float x) { return expf(x); }
-  static __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
-  static __device__ __forceinline__ float sigmoid(float x) {
-    const float y = fminf(1.0f + expf(-x), 1e30f);
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
-    return fmaf(r, fmaf(-y, r, 1.0f), r);
-  }
-};
-template <DType D>
-struct CellMathOf { using type = FastCellMath; };
-template <>
-struct CellMathOf<DType::kF32> { using type = AccurateCellMath; };
-template <DType D>
-using CellMath = typename CellMathOf<D>::type;
-
 // Nonzeros per lane in flight in row_dot's full rounds and in its last, shorter round (macros
 // only so that the step probe can compare).
 #ifndef SPRNN_ROW_DEPTH
@@ -748,27 +712,14 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
   return acc[0];
 }
 
-// The row of the block and the tile column whose sum lane `lane` of warp `warp` holds after
-// compute_rows' first pass with the transposed reduction (kNV columns, groups of `group`
-// lanes per row), or -1 for a lane that holds none.
-template <int kNV>
-__device__ __forceinline__ int row_result_of_lane(int warp, int lane, int group, int& col) {
-  col = (lane % group) / (group / kNV);  // sum_slices_transposed's column bits
-  return lane % (group / kNV) == 0 ? warp * (32 / group) + lane / group : -1;
-}
-
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
-// rows per warp at a time (kGroup = 16). kGateAct (LSTM, transposed reduction): with gate_act,
-// a one-pass block stores the activated gate of x_gate + the sum instead (x_gate: the input
-// projection of the lane's row_result_of_lane, in the storage type, converted here so that its
-// load stays in flight until now).
-template <DType D, int BT, bool kWide, int kGroup = 32, bool kGateAct = false>
+// rows per warp at a time (kGroup = 16).
+template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
-                                             int nrows, float* acc_s, bool gate_act = false,
-                                             typename Tr<D>::S x_gate = {}) {
+                                             int nrows, float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x & 31;
@@ -783,14 +734,7 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
       const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
-      if (has_row && g % (kGroup / M::kNV) == 0) {
-        if constexpr (kGateAct) {
-          acc_s[r * BT + col] =
-              gate_act ? lstm_gate<CellMath<D>>(r % gates_of(Cell::kLstm), sum + Tr<D>::to_f(x_gate)) : sum;
-        } else {
-          acc_s[r * BT + col] = sum;
-        }
-      }
+      if (has_row && g % (kGroup / M::kNV) == 0) acc_s[r * BT + col] = sum;
     } else {
       sum_slices<M::kNV, kGroup, M::kLPN>(acc);
       if (has_row && g < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
@@ -808,16 +752,50 @@ __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, flo
   for (int g = 0; g < G; ++g) hw[g] = acc_s[(ul * G + g) * BT + bt];
 }
 
+// The cell math's exp, tanh and sigmoid (the `M` policy of common/cells.h) per storage type.
+// For the 16-bit types, hardware exp2 and reciprocal based ones: about 1e-7 absolute error, far
+// below the outputs' 16-bit rounding, and a few straight-line instructions where expf / tanhf /
+// an IEEE division take tens with branches and slow-path calls. The LSTM update is one warp's
+// dependent chain on every step's critical path (step probe: 0.64 us/step of 2.54 at H=1024).
+// float32: AccurateCellMath below.
+struct FastCellMath {
+  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
+  static __device__ __forceinline__ float tanh(float x) {
+    return __fdividef(2.0f, 1.0f + __expf(-2.0f * x)) - 1.0f;  // saturates to -1 / 1
+  }
+  static __device__ __forceinline__ float sigmoid(float x) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));  // 0 once exp(-x) > 2^126
+  }
+};
+// float32: CUDA's accurate expf / tanhf, and a sigmoid without the division's slow-path call
+// (nvcc compiles 1.0f / y to MUFU.RCP plus a branch to a subroutine for denormal or huge y,
+// which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30,
+// so the approximate reciprocal plus one Newton step is within about 1 ulp and never needs it.
+struct AccurateCellMath {
+  static __device__ __forceinline__ float exp(float x) { return expf(x); }
+  static __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+  static __device__ __forceinline__ float sigmoid(float x) {
+    const float y = fminf(1.0f + expf(-x), 1e30f);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    return fmaf(r, fmaf(-y, r, 1.0f), r);
+  }
+};
+template <DType D>
+struct CellMathOf { using type = FastCellMath; };
+template <>
+struct CellMathOf<DType::kF32> { using type = AccurateCellMath; };
+template <DType D>
+using CellMath = typename CellMathOf<D>::type;
+
 // Step 3 for one pair (unit u, sequence b, state index si) at step s (ps = pair_step): the cell
 // from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
 // it, else loaded here), the ys/cs writes and the float32 state hst/cst[si]. Returns the new h
 // (the previous one past the sequence's end).
-// gates_activated (LSTM): hw holds the activated gates (compute_rows' gate_act), x is not read.
 template <Cell kCell, DType D>
 __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps, int u, int b,
                                              int si, bool have_x, const typename Tr<D>::S* xr,
-                                             const float* hw, float* hst, float* cst,
-                                             bool gates_activated = false) {
+                                             const float* hw, float* hst, float* cst) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
@@ -837,15 +815,11 @@ __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps
   S* cs = static_cast<S*>(p.cs);
   if (ps.valid) {
     if constexpr (kCell == Cell::kLstm) {
-      float c = cst[si];
-      if (gates_activated) {
-        hnew = lstm_finish<CellMath<D>>(hw, c);
-      } else {
-        float pre[4];
+      float pre[4];
 #pragma unroll
-        for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
-        hnew = lstm_step<CellMath<D>>(pre, c);
-      }
+      for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
+      float c = cst[si];
+      hnew = lstm_step<CellMath<D>>(pre, c);
       cst[si] = c;
       cs[ps.o] = T::from_f(c);
     } else if constexpr (kCell == Cell::kGru) {
@@ -905,12 +879,6 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 #define SPRNN_PERSISTENT_THREADS 512
 #endif
 constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
-
-// LSTM gate activations in the row lanes (persistent_fwd's row_act); a macro for the step
-// probe's A/B.
-#ifndef SPRNN_LSTM_ROW_ACT
-#define SPRNN_LSTM_ROW_ACT 0
-#endif
 
 // Threads per CTA the cluster kernel (cluster_kernel.cuh) is built for: tiles of 16 run 512
 // threads with up to 128 registers, smaller tiles 1024.
@@ -1024,12 +992,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool two_rows_per_warp =
       p.row_lanes == 16 ||
       (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
-  // LSTM: where the block's rows take one pass, the row lanes apply the gates' sigmoid / tanh
-  // to x + their sums, so that the update (one warp's dependent chain on every step's critical
-  // path) keeps only c and tanh(c).
-  constexpr bool kRowAct = kLstmCell && SPRNN_LSTM_ROW_ACT && kLPN == 1 && kNV >= 2 && kNV <= 8;
-  const int row_group = two_rows_per_warp ? 16 : 32;
-  const bool row_act = kRowAct && nu * G <= (nthr >> 5) * (32 / row_group);
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -1047,18 +1009,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const int b = j * BT + tid % BT, u = u0 + tid / BT;
         ps0 = pair_step(p, s, len_s[b], b, u);
         xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
-        if (ps0.valid && !row_act) load_x_pair<D, G>(p, ps0, u, xr);
-      }
-      // row_act: the input projection of the gate whose sum this lane will hold.
-      S x_gate{};
-      if constexpr (kRowAct) {
-        int col;
-        const int r = row_result_of_lane<kNV>(tid >> 5, tid & 31, row_group, col);
-        const int b = j * BT + col;
-        if (row_act && r >= 0 && r < nu * G && s < len_s[b]) {
-          const int t = step_time(s, len_s[b], p.reverse != 0);
-          x_gate = static_cast<const S*>(p.xp)[((static_cast<long long>(t) * B + b) * G + r % G) * H + u0 + r / G];
-        }
+        if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
       }
 
       // 1. h_{s-1} of this tile into shared memory.
@@ -1170,9 +1121,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
-          compute_rows<D, BT, kWide, 16, kRowAct>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s, row_act, x_gate);
+          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
         else
-          compute_rows<D, BT, kWide, 32, kRowAct>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s, row_act, x_gate);
+          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
@@ -1186,7 +1137,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         row_sums<G, BT>(acc_s, ul, bt, hw);
         const float hnew =
             update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
-                                  b, ul * bpad + b, first || row_act, xr, hw, hst, cst, row_act);
+                                  b, ul * bpad + b, first, xr, hw, hst, cst);
         // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
         const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
