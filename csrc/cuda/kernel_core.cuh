@@ -884,68 +884,6 @@ constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 // threads with up to 128 registers, smaller tiles 1024.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
-// The Lamport gather's retry of the chunks (items ib + i * nthr, i in `pending`) that a round
-// found stale, with kRetryStagger > 0: two chunks at a time, each polled by two loads in flight
-// issued kRetryStagger cycles apart and re-issued as they return, so that data landing just
-// after one poll passed is seen by the other about half a round trip later instead of a whole
-// one. Returns true when the wait must be abandoned (wait_expired).
-#ifndef SPRNN_RETRY_STAGGER
-#define SPRNN_RETRY_STAGGER 0
-#endif
-constexpr int kRetryStagger = SPRNN_RETRY_STAGGER;
-template <DType D, int BT, int kCW, bool kWide>
-__device__ __forceinline__ bool retry_staggered(const Params& p, const typename Tr<D>::X* src,
-                                                typename Tr<D>::S* h_s, int ib, int nthr,
-                                                unsigned int pending, uint32_t tag,
-                                                unsigned long long& start) {
-  using T = Tr<D>;
-  using X = typename T::X;
-  int spins = 0;
-  while (pending) {
-    const int i0 = __ffs(pending) - 1;
-    const unsigned int rest = pending & (pending - 1u);
-    const int i1 = rest ? __ffs(rest) - 1 : i0;
-    const int idx[2] = {i0, i1};
-    const unsigned int pair = (1u << i0) | (1u << i1);
-    X a[2][kCW] = {}, b[2][kCW] = {};
-    auto poll = [&](X (&w)[2][kCW]) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-        load_x<X, kCW>(src + static_cast<long long>(ib + idx[c] * nthr) * kCW, w[c],
-                       ((pending >> idx[c]) & 1u) && (c == 0 || i1 != i0));
-    };
-    auto take = [&](const X (&w)[2][kCW]) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        bool ok = (pending >> idx[c]) & 1u;
-#pragma unroll
-        for (int q = 0; q < kCW; ++q) ok = ok && T::x_ok(w[c][q], tag);
-        if (ok) {
-          uint32_t bits[kCW];
-#pragma unroll
-          for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[c][q]);
-          store_h<typename T::S, BT, kCW, kWide>(h_s, p.H, ib + idx[c] * nthr, bits);
-          pending &= ~(1u << idx[c]);
-        }
-      }
-    };
-    poll(a);
-    for (const long long t0 = clock64(); clock64() - t0 < kRetryStagger;) {
-    }
-    poll(b);
-    for (;;) {
-      take(a);
-      if (!(pending & pair)) break;
-      poll(a);
-      take(b);
-      if (!(pending & pair)) break;
-      poll(b);
-      if ((++spins & 15) == 0 && wait_expired(p, start)) return true;
-    }
-  }
-  return false;
-}
-
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
@@ -1171,10 +1109,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               }
             }
             if (pending) {
-              if constexpr (kRetryStagger > 0) {
-                aborted = retry_staggered<D, BT, kCW, kWide>(p, src, h_s, ib, nthr, pending, tag, start);
-                break;
-              }
               if (p.spin_ns) __nanosleep(p.spin_ns);
               if ((++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
             }
