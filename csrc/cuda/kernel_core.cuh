@@ -1021,29 +1021,18 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
       const long long tile_off3 = static_cast<long long>((s & 1) * p.ntiles + j) * triple_words(H);
       const long long prev_off3 = static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * triple_words(H);
+      // This thread's first pair: pair tid, or with triple words 30 pairs per warp (10 words).
+      const int pi0 = !kTriple ? tid : ((tid & 31) < 30 ? (tid >> 5) * 30 + (tid & 31) : npairs);
 
       // This thread's first (unit, b) pair: its step, publish offset and input projection
       // (the loads in flight while the block waits for h), ready for the update.
       S xr[G] = {};
       PairStep ps0{};
       long long xo0 = 0;
-      // Triple words: this thread's three pairs 3 * tid + q (one exchange word), loads in flight.
-      PairStep ps3[3]{};
-      S xr3[3][G] = {};
-      if constexpr (kTriple) {
-#pragma unroll
-        for (int q = 0; q < 3; ++q) {
-          const int pi = 3 * tid + q;
-          if (pi < npairs) {
-            const int b = j * BT + pi % BT, u = u0 + pi / BT;
-            ps3[q] = pair_step(p, s, len_s[b], b, u);
-            if (ps3[q].valid) load_x_pair<D, G>(p, ps3[q], u, xr3[q]);
-          }
-        }
-      } else if (tid < npairs) {
-        const int b = j * BT + tid % BT, u = u0 + tid / BT;
+      if (pi0 < npairs) {
+        const int b = j * BT + pi0 % BT, u = u0 + pi0 / BT;
         ps0 = pair_step(p, s, len_s[b], b, u);
-        xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
+        xo0 = tile_off + static_cast<long long>(u) * BT + pi0 % BT;
         if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
       }
 
@@ -1213,29 +1202,33 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 
       // 3. Cell update and publish.
       if constexpr (kTriple) {
-        // Three pairs per thread (independent chains), one exchange word.
-        for (int k = tid; 3 * k < npairs; k += nthr) {
-          const bool first = k == tid;
-          uint32_t v[3] = {0u, 0u, 0u};
-#pragma unroll
-          for (int q = 0; q < 3; ++q) {
-            const int pi = 3 * k + q;
-            if (pi >= npairs) continue;
+        // 30 pairs per warp: lanes 3k, 3k + 1, 3k + 2 fill word k (lane 3k stores it).
+        const int lane = tid & 31;
+        for (int base = (tid >> 5) * 30; base < npairs; base += (nthr >> 5) * 30) {
+          const int pi = base + lane;
+          const bool has = lane < 30 && pi < npairs;
+          const bool first = base == (tid >> 5) * 30;
+          uint32_t v = 0;
+          if (has) {
             const int ul = pi / BT, bt = pi % BT;
             const int b = j * BT + bt;
             float hw[G];
             row_sums<G, BT>(acc_s, ul, bt, hw);
             const float hnew =
-                update_pair<kCell, D>(p, first ? ps3[q] : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
-                                      b, ul * bpad + b, first, xr3[q], hw, hst, cst);
-            v[q] = T::f_to_bits(hnew);
+                update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
+                                      b, ul * bpad + b, first, xr, hw, hst, cst);
+            v = T::f_to_bits(hnew);
             if (!p.lamport)
               __stcg(reinterpret_cast<unsigned short*>(xraw) + tile_off + static_cast<long long>(u0) * BT + pi,
-                     static_cast<unsigned short>(v[q]));
+                     static_cast<unsigned short>(v));
           }
-          if (p.lamport)
-            st_relaxed(static_cast<unsigned long long*>(p.xbuf) + tile_off3 + static_cast<long long>(u0) * BT / 3 + k,
-                       make_x3(v[0], v[1], v[2], T::tag_of(s)));
+          if (p.lamport) {
+            const uint32_t v1 = __shfl_down_sync(0xffffffffu, v, 1);
+            const uint32_t v2 = __shfl_down_sync(0xffffffffu, v, 2);
+            if (has && lane % 3 == 0)
+              st_relaxed(static_cast<unsigned long long*>(p.xbuf) + tile_off3 + (static_cast<long long>(u0) * BT + pi) / 3,
+                         make_x3(v, v1, v2, T::tag_of(s)));
+          }
         }
       } else
       for (int pi = tid; pi < npairs; pi += nthr) {
