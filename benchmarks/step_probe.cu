@@ -173,8 +173,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.T = kT; p.B = kB; p.H = H; p.ntiles = 1; p.activation = 1; p.reverse = 0; p.lamport = 1;
   p.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
   const long long total = nnz + static_cast<long long>(p.alpha) * H;
-  // (+2 units: triple-word blocks round their boundaries to unit triples.)
-  p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2 + 2 * SPRNN_TRIPLE_WORDS));
+  p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
   const long long avail = smem_optin - 256;
   const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4);
   p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / 4, 1LL << 30));

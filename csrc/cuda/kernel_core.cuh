@@ -364,31 +364,13 @@ __device__ __forceinline__ int partition_unit(const int32_t* row_ptr, int G, int
   return lo;
 }
 
-// Block j's units [u0, u1); inner boundaries rounded down to a multiple of `multiple` (the
-// triple-word exchange needs blocks of whole unit triples).
-__device__ __forceinline__ void unit_range(const Params& p, int G, int j, int nb, int& u0, int& u1,
-                                           int multiple = 1) {
+__device__ __forceinline__ void unit_range(const Params& p, int G, int j, int nb, int& u0, int& u1) {
   const long long total = static_cast<long long>(__ldg(p.row_ptr + static_cast<long long>(p.H) * G)) +
                           static_cast<long long>(p.alpha) * p.H;
   const long long t0 = (total * j + nb - 1) / nb;
   const long long t1 = (total * (j + 1) + nb - 1) / nb;
   u0 = j == 0 ? 0 : partition_unit(p.row_ptr, G, p.H, p.alpha, t0);
   u1 = j == nb - 1 ? p.H : partition_unit(p.row_ptr, G, p.H, p.alpha, t1);
-  if (j != 0) u0 -= u0 % multiple;
-  if (j != nb - 1) u1 -= u1 % multiple;
-}
-
-// ---- triple-word exchange (16-bit dtypes, tile 4) ------------------------------------------------
-// Each 64-bit exchange word holds three 16-bit h values and a 16-bit step tag (2.67 bytes per
-// value instead of 4): a unit triple's 12 values (tile 4) are the 4 words of one 32-byte chunk.
-// Per tile: triple_words(H) words (even, so that the 16-byte loads stay aligned).
-#ifndef SPRNN_TRIPLE_WORDS
-#define SPRNN_TRIPLE_WORDS 0
-#endif
-__host__ __device__ constexpr long long triple_words(long long H) { return 2 * ((2 * H + 2) / 3); }
-__device__ __forceinline__ unsigned long long make_x3(uint32_t v0, uint32_t v1, uint32_t v2, uint32_t tag) {
-  return static_cast<unsigned long long>(v0 & 0xffffu) | (static_cast<unsigned long long>(v1 & 0xffffu) << 16) |
-         (static_cast<unsigned long long>(v2 & 0xffffu) << 32) | (static_cast<unsigned long long>(tag) << 48);
 }
 
 // Sets the bits of the h units a block reads (kernel_core's col_filter): the columns of its
@@ -949,13 +931,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const int j_lo = groups > 1 ? grp : 0, j_hi = groups > 1 ? grp + 1 : p.ntiles;
   const int b_lo = j_lo * BT, b_hi = j_hi * BT < B ? j_hi * BT : B;
 
-  // Triple-word exchange (SPRNN_TRIPLE_WORDS): see triple_words.
-  constexpr bool kTriple = SPRNN_TRIPLE_WORDS && sizeof(S) == 2 && BT == 4 && kWide;
   __shared__ int sh_u[2];
   __shared__ int sh_lmax;
   if (tid == 0) {
     int u0, u1;
-    unit_range(p, G, jb, nb, u0, u1, kTriple ? 3 : 1);
+    unit_range(p, G, jb, nb, u0, u1);
     sh_u[0] = u0;
     sh_u[1] = u1;
     sh_lmax = max_seq_len(p, b_lo, b_hi);
@@ -1019,20 +999,16 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     for (int j = j_lo; j < j_hi; ++j) {
       const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * H) * BT;
       const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
-      const long long tile_off3 = static_cast<long long>((s & 1) * p.ntiles + j) * triple_words(H);
-      const long long prev_off3 = static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * triple_words(H);
-      // This thread's first pair: pair tid, or with triple words 30 pairs per warp (10 words).
-      const int pi0 = !kTriple ? tid : ((tid & 31) < 30 ? (tid >> 5) * 30 + (tid & 31) : npairs);
 
       // This thread's first (unit, b) pair: its step, publish offset and input projection
       // (the loads in flight while the block waits for h), ready for the update.
       S xr[G] = {};
       PairStep ps0{};
       long long xo0 = 0;
-      if (pi0 < npairs) {
-        const int b = j * BT + pi0 % BT, u = u0 + pi0 / BT;
+      if (tid < npairs) {
+        const int b = j * BT + tid % BT, u = u0 + tid / BT;
         ps0 = pair_step(p, s, len_s[b], b, u);
-        xo0 = tile_off + static_cast<long long>(u) * BT + pi0 % BT;
+        xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
         if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
       }
 
@@ -1092,54 +1068,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
             }
           }
           store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
-        }
-      } else if constexpr (kTriple) {
-        const uint32_t tag = T::tag_of(s - 1);
-        const unsigned long long* src = static_cast<const unsigned long long*>(p.xbuf) + prev_off3;
-        const int nitems = (H + 2) / 3;
-        constexpr int K3 = kDeepGather ? 6 : 4;  // 32-byte chunks in flight per thread
-        unsigned long long start = 0;
-        for (int ib = tid; ib < nitems && !aborted; ib += nthr * K3) {
-          unsigned int pending = 0;
-#pragma unroll
-          for (int i = 0; i < K3; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
-          int spins = 0;
-          while (pending) {
-            unsigned long long w[K3][4] = {};
-#pragma unroll
-            for (int i = 0; i < K3; ++i) {
-              const int c = ib + i * nthr;
-              const uint32_t on = (pending >> i) & 1u;
-              ld_relaxed_v2_if(src + 4LL * c, w[i], on);
-              ld_relaxed_v2_if(src + 4LL * c + 2, w[i] + 2, on && H - 3 * c > 1);
-            }
-#pragma unroll
-            for (int i = 0; i < K3; ++i) {
-              if (!((pending >> i) & 1u)) continue;
-              const int c = ib + i * nthr;
-              const int n = H - 3 * c < 3 ? H - 3 * c : 3;  // units in this chunk
-              const int nw = (4 * n + 2) / 3;                 // words they fill
-              bool ok = true;
-#pragma unroll
-              for (int q = 0; q < 4; ++q)
-                ok = ok && (q >= nw || static_cast<uint32_t>(w[i][q] >> 48) == tag || SPRNN_PROBE_MODE == 2);
-              if (ok) {
-                uint32_t v[12];
-#pragma unroll
-                for (int f = 0; f < 12; ++f) v[f] = static_cast<uint32_t>(w[i][f / 3] >> (16 * (f % 3))) & 0xffffu;
-#pragma unroll
-                for (int u = 0; u < 3; ++u)
-                  if (u < n)
-                    reinterpret_cast<uint2*>(h_s)[3 * c + u] =
-                        make_uint2(v[4 * u] | (v[4 * u + 1] << 16), v[4 * u + 2] | (v[4 * u + 3] << 16));
-                pending &= ~(1u << i);
-              }
-            }
-            if (pending) {
-              if (p.spin_ns) __nanosleep(p.spin_ns);
-              if ((++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
-            }
-          }
         }
       } else {
         const uint32_t tag = T::tag_of(s - 1);
@@ -1201,36 +1129,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       SPRNN_PROBE_STAMP(s, 2);
 
       // 3. Cell update and publish.
-      if constexpr (kTriple) {
-        // 30 pairs per warp: lanes 3k, 3k + 1, 3k + 2 fill word k (lane 3k stores it).
-        const int lane = tid & 31;
-        for (int base = (tid >> 5) * 30; base < npairs; base += (nthr >> 5) * 30) {
-          const int pi = base + lane;
-          const bool has = lane < 30 && pi < npairs;
-          const bool first = base == (tid >> 5) * 30;
-          uint32_t v = 0;
-          if (has) {
-            const int ul = pi / BT, bt = pi % BT;
-            const int b = j * BT + bt;
-            float hw[G];
-            row_sums<G, BT>(acc_s, ul, bt, hw);
-            const float hnew =
-                update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
-                                      b, ul * bpad + b, first, xr, hw, hst, cst);
-            v = T::f_to_bits(hnew);
-            if (!p.lamport)
-              __stcg(reinterpret_cast<unsigned short*>(xraw) + tile_off + static_cast<long long>(u0) * BT + pi,
-                     static_cast<unsigned short>(v));
-          }
-          if (p.lamport) {
-            const uint32_t v1 = __shfl_down_sync(0xffffffffu, v, 1);
-            const uint32_t v2 = __shfl_down_sync(0xffffffffu, v, 2);
-            if (has && lane % 3 == 0)
-              st_relaxed(static_cast<unsigned long long*>(p.xbuf) + tile_off3 + (static_cast<long long>(u0) * BT + pi) / 3,
-                         make_x3(v, v1, v2, T::tag_of(s)));
-          }
-        }
-      } else
       for (int pi = tid; pi < npairs; pi += nthr) {
         const int ul = pi / BT, bt = pi % BT;
         const int b = j * BT + bt;
