@@ -9,7 +9,8 @@
 # verify: the GPU kernel tests (six processes), then bench_gpu.py $BENCH_ARGS (--targets;
 #   none = tests only).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
-# probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS.
+# probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
+#   (PROBE_FLAGS: extra nvcc flags of that build, comma-separated).
 # exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
@@ -58,7 +59,9 @@ if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange
   exit 0
 fi
 if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
-  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu \
+  # PROBE_FLAGS: extra nvcc flags for the profiled build (comma-separated, as in PROBE_BUILDS).
+  flags="${PROBE_FLAGS:-}"
+  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
     -o /tmp/step_probe_prof || exit 1
   i=0
   for cfg in ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0}; do
