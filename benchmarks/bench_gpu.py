@@ -46,9 +46,7 @@ import jax_sprnn as sp  # noqa: E402
 K = 4          # recurrences per timed call
 REPS = 15
 GATES = {"rnn": 1, "lstm": 4, "gru": 3}
-# The two small target layers (cell, activation, H, density) that --spread and --overhead time,
-# each with the per-call sync check on and off (the knob that turns it off).
-SMALL_LAYERS = [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]
+# The per-call sync check on and off (the knob that turns it off): --spread and --overhead.
 SYNC_CHECK_ON_OFF = [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]
 
 
@@ -206,6 +204,10 @@ TARGETS = [  # (cell, act, H, density, dtype, target us/step or None)
     ("lstm", None, 1024, 0.1, jnp.float32, None),
     ("lstm", None, 1024, 0.1, jnp.bfloat16, None),
 ]
+# (cell, activation, H, density) of the fp16 targets (--tune), and the two small ones with a
+# latency target that --spread and --overhead time (ReLU H=1152, LSTM H=1024).
+FP16_LAYERS = [(c, a, H, d) for c, a, H, d, dt, _ in TARGETS if dt == jnp.float16]
+SMALL_LAYERS = [FP16_LAYERS[0], FP16_LAYERS[3]]
 
 
 def fmt(x):
@@ -291,9 +293,7 @@ def main():
                  {"SPRNN_CUDA_THREADS": "384"}, {"SPRNN_CUDA_THREADS": "512"},
                  {"SPRNN_CUDA_SPIN_NS": "50"}, {"SPRNN_CUDA_BLOCKS": "66"},
                  {"SPRNN_CUDA_BT": "2"}, {"SPRNN_CUDA_SYNC_CHECK": "0"}]
-        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("rnn", "relu", 2304, 0.3),
-                                ("rnn", "relu", 5760, 0.1), ("lstm", None, 1024, 0.1),
-                                ("lstm", None, 4096, 0.1)]:
+        for cell, act, H, d in FP16_LAYERS:
             f, xp, c0 = kernel_call(cell, act, H, 4, T, d, jnp.float16)
             row = dict(cell=cell, H=H, density=d)
             time_knobs(f, xp, c0, knobs, row, T)

@@ -16,15 +16,18 @@ if _ffi.cuda_module is not None:
 H200 = dict(sms=132, smem_optin=232448, cc_major=9)
 
 
+def nnz_of(cell, H, density):
+    """Nonzeros of a layer's (gates * H) x H recurrent matrix at this density."""
+    return int(density * {"rnn": 1, "lstm": 4, "gru": 3}[cell] * H * H)
+
+
 def test_batch_group_plans():
     # The default's batch groups: the most that keep tiles of 4+ and <= 128 rows per block.
     for cell, H, d, B, groups, bt in [("rnn", 1152, 0.1, 4, 1, 4), ("rnn", 1152, 0.1, 8, 2, 4),
                                       ("rnn", 1152, 0.1, 16, 4, 4), ("rnn", 1152, 0.1, 64, 8, 8),
                                       ("lstm", 1024, 0.1, 64, 4, 16),
                                       ("rnn", 2304, 0.3, 64, 1, 32)]:  # too big to replicate
-        gates = 4 if cell == "lstm" else 1
-        info = cuda_lowering.plan(cell, jnp.float16, H, B, int(d * H * H * gates), variant=3,
-                                  **H200)
+        info = cuda_lowering.plan(cell, jnp.float16, H, B, nnz_of(cell, H, d), variant=3, **H200)
         assert (info["groups"], info["batch_tile"]) == (groups, bt), (cell, H, B, info)
         assert info["on_chip"] and info["blocks"] == 132 // groups * groups, info
 
@@ -56,8 +59,7 @@ def test_cluster_plans():
 
 def test_deep_gather_plans(monkeypatch):
     def deep(cell, dtype, H, B=4, d=0.1):
-        gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
-        info = cuda_lowering.plan(cell, dtype, H, B, int(d * gates * H * H), **H200)
+        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
         return info["deep_gather"], info
 
     # 16-bit: 512 threads x 8 chunks cover H units in one round; float32 only when forced.
