@@ -3,12 +3,14 @@
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
-#                            probe-profile|all]     (default all)
+#                            probe-profile|trace|all]     (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
 # verify: the GPU kernel tests (six processes), then bench_gpu.py $BENCH_ARGS (--targets;
 #   none = tests only).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
+# trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
+#   kernel, gaps) for the two small target layers.
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
 #   (PROBE_FLAGS: extra nvcc flags of that build, comma-separated).
 # exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
@@ -109,6 +111,9 @@ if [ "$MODE" = verify ]; then
 fi
 if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
   timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+if [ "$MODE" = trace ]; then  # the device timeline of chained calls (benchmarks/trace_calls.py)
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/trace_calls.py --out "$OUT" ${TRACE_ARGS:-} 2>&1 | tee "$OUT/trace.log" | tail -40
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
   REPO="$(pwd)"
