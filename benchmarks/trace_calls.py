@@ -44,6 +44,21 @@ def device_events(path):
     return sorted(out, key=lambda e: e[1])
 
 
+def host_events(path):
+    """(thread, name, start_ns, duration_ns) of the host's CUDA API calls and XLA thunks."""
+    out = []
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                n = e.name
+                if n.startswith("cu") or any(k in n.lower() for k in ("sprnn", "custom", "thunk",
+                                                                      "execute", "pjit")):
+                    out.append((line.name[:24], n[:70], e.start_ns, e.duration_ns))
+    return sorted(out, key=lambda e: e[2])
+
+
 def kind_of(name):
     n = name.lower()
     if "persistent_fwd" in n or "cluster_fwd" in n or "sprnn" in n:
@@ -70,6 +85,7 @@ def trace_setting(f, args, knobs):
                 time.sleep(0.002)  # a clear gap between calls in the timeline
         path = glob.glob(d + "/**/*.xplane.pb", recursive=True)[0]
     ev = device_events(path)
+    hev = host_events(path)
     # Split the timeline into calls at gaps over 1 ms (the sleeps above).
     calls, cur = [], []
     for e in ev:
@@ -79,7 +95,13 @@ def trace_setting(f, args, knobs):
         cur.append(e)
     if cur:
         calls.append(cur)
-    return walls, calls
+    # The host's events during the last call (from its first device op - 300 us to its end).
+    lo, hi = (calls[-1][0][1] - 300_000, calls[-1][-1][1] + calls[-1][-1][2]) if calls else (0, 0)
+    host = [f"{(e[2] - lo) / 1e3:9.1f} +{e[3] / 1e3:7.1f} us  {e[0]}  {e[1]}"
+            for e in hev if lo <= e[2] <= hi]
+    dev = [f"{(e[1] - lo) / 1e3:9.1f} +{e[2] / 1e3:7.1f} us  device  {kind_of(e[0])} {e[0][:50]}"
+           for e in (calls[-1] if calls else [])]
+    return walls, calls, sorted(host + dev, key=lambda t: float(t.split()[0]))
 
 
 def summarize(calls):
@@ -110,7 +132,12 @@ def main():
         for T in a.T:
             f, xp, c0 = bg.kernel_call(cell, act, H, B, T, density, bg.jnp.float16)
             for label, knobs in bg.SYNC_CHECK_ON_OFF:
-                walls, calls = trace_setting(f, (xp, c0), knobs)
+                walls, calls, timeline = trace_setting(f, (xp, c0), knobs)
+                if T == a.T[len(a.T) // 2]:
+                    with open(os.path.join(a.out, "timelines.txt"), "a") as fh:
+                        fh.write(f"== {cell} H={H} T={T} sync {label}: host events and device "
+                                 "ops of the last call (us from its first op - 300)\n")
+                        fh.write("\n".join(timeline[:300]) + "\n")
                 rows = summarize(calls)
                 kus = [k for r in rows for k in r["kernel_us"]]
                 mus = [m for r in rows for m in r["memset_us"]]

@@ -399,6 +399,26 @@ cudaError_t ensure_smem(KernelFn fn, long long smem) {
   return cudaSuccess;
 }
 
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor, cached per (device, kernel, threads, smem): it
+// costs microseconds of host time in front of every launch (benchmarks/NOTES.md, session 12).
+std::mutex g_occ_mu;
+cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int& occ) {
+  struct Entry { int dev; KernelFn fn; int threads; long long smem; int occ; };
+  static Entry cache[256];
+  static int n = 0;
+  std::lock_guard<std::mutex> lock(g_occ_mu);
+  for (int i = 0; i < n; ++i)
+    if (cache[i].dev == dev && cache[i].fn == fn && cache[i].threads == threads &&
+        cache[i].smem == smem) {
+      occ = cache[i].occ;
+      return cudaSuccess;
+    }
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &occ, reinterpret_cast<const void*>(fn), threads, static_cast<size_t>(smem));
+  if (e == cudaSuccess && n < 256) cache[n++] = {dev, fn, threads, smem, occ};
+  return e;
+}
+
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
   switch (cell) {
     case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather);
@@ -637,9 +657,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     KernelFn fn = pick_persistent(cell, dtype, pl);
     int occ = 0;
     cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
-    if (e == cudaSuccess)
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(fn),
-                                                        pl.threads, static_cast<size_t>(pl.smem));
+    if (e == cudaSuccess) e = blocks_per_sm(dev, fn, pl.threads, pl.smem, occ);
     if (e == cudaSuccess && occ >= 1) {
       p = with_plan(p, pl);
       void* args[] = {&p};
