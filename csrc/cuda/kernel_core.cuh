@@ -758,6 +758,19 @@ __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, flo
 // an IEEE division take tens with branches and slow-path calls. The LSTM update is one warp's
 // dependent chain on every step's critical path (step probe: 0.64 us/step of 2.54 at H=1024).
 // float32: AccurateCellMath below.
+#if defined(SPRNN_TANH_APPROX)
+struct FastCellMath {
+  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
+  static __device__ __forceinline__ float tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+  static __device__ __forceinline__ float sigmoid(float x) {
+    return fmaf(0.5f, tanh(0.5f * x), 0.5f);
+  }
+};
+#else
 struct FastCellMath {
   static __device__ __forceinline__ float exp(float x) { return __expf(x); }
   static __device__ __forceinline__ float tanh(float x) {
@@ -767,6 +780,7 @@ struct FastCellMath {
     return __fdividef(1.0f, 1.0f + __expf(-x));  // 0 once exp(-x) > 2^126
   }
 };
+#endif
 // float32: CUDA's accurate expf / tanhf, and a sigmoid without the division's slow-path call
 // (nvcc compiles 1.0f / y to MUFU.RCP plus a branch to a subroutine for denormal or huge y,
 // which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30,
