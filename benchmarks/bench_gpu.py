@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
-                                   [--spread] [--overhead]
+                                   [--spread] [--overhead] [--device-time]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -11,6 +11,8 @@ target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_C
 --overhead: the per-call cost through JAX: us per recurrence at T = 1, 16, 256, 1024 with the
 sync check on / off (interleaved rounds), the per-step cost from T=256 to 1024 and the fixed
 cost per recurrence, beside a trivial jitted call (the dispatch floor).
+--device-time: with --targets, each method's device time as well (benchmarks/device_time.py):
+the span of a call's device operations and our kernel's own duration, per step.
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
 and float16 (the planner turns it on for 16-bit H > 4096 at 512 threads; for float32 only when
 forced, since session 9).
@@ -161,6 +163,25 @@ def method_cudnn_lstm(kernel, xp, carry):
     return chain(once, carry)[0], x
 
 
+PEERS = ("jax_scan", "jax_scan_unroll8", "jax_scan_unroll32", "cudnn_lstm")
+DEVICE_TIME = False  # --device-time: also the profiler's device time of each method
+
+
+def time_method(row, key, f, args, steps):
+    """row[key] = wall us/step; with DEVICE_TIME also the device span (first operation's start
+    to the last one's end, per call) and busy time (the operations' durations summed) per step,
+    and for our kernel its own duration per step (benchmarks/device_time.py)."""
+    row[key] = timeit(f, *args) / steps * 1e6
+    if DEVICE_TIME:
+        from device_time import device_times  # noqa: PLC0415
+
+        d = device_times(f, args)
+        row[key + "_span"] = d["span"] / steps
+        row[key + "_busy"] = d["busy"] / steps
+        if not key.startswith(PEERS):
+            row[key + "_kernel"] = d["kernel"] / steps
+
+
 def bench_config(cell, act, H, B, T, density, dtype, peers=True, variants=(None,)):
     kernel, mask, xp, h0 = problem(cell, H, B, T, density, dtype)
     carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
@@ -172,23 +193,20 @@ def bench_config(cell, act, H, B, T, density, dtype, peers=True, variants=(None,
              else sp.SparseWeights.from_dense(kernel, mask))
         f, c0 = method_kernel(cell, act, w, xp, carry, v)
         key = "sparse_persistent" if v is None else f"variant_{v}"
-        row[key] = timeit(f, xp, c0) / steps * 1e6
+        time_method(row, key, f, (xp, c0), steps)
     if peers:
-        f, c0 = method_scan(cell, act, kernel, xp, carry)
-        row["jax_scan"] = timeit(f, xp, c0) / steps * 1e6
-        f, c0 = method_scan(cell, act, kernel, xp, carry, unroll=8)
-        row["jax_scan_unroll8"] = timeit(f, xp, c0) / steps * 1e6
-        f, c0 = method_scan(cell, act, kernel, xp, carry, unroll=32)
-        row["jax_scan_unroll32"] = timeit(f, xp, c0) / steps * 1e6
+        for key, unroll in (("jax_scan", 1), ("jax_scan_unroll8", 8), ("jax_scan_unroll32", 32)):
+            f, c0 = method_scan(cell, act, kernel, xp, carry, unroll=unroll)
+            time_method(row, key, f, (xp, c0), steps)
         if cell == "lstm":
             try:
                 f, x = method_cudnn_lstm(kernel, xp, carry)
-                row["cudnn_lstm"] = timeit(f, x, carry) / steps * 1e6
+                time_method(row, "cudnn_lstm", f, (x, carry), steps)
             except Exception as err:  # noqa: BLE001
                 row["cudnn_lstm_error"] = str(err).splitlines()[0][:200]
-        dense = [row[k] for k in ("jax_scan", "jax_scan_unroll8", "jax_scan_unroll32",
-                                  "cudnn_lstm") if k in row]
-        row["best_peer"] = min(dense)
+        row["best_peer"] = min(row[k] for k in PEERS if k in row)
+        if DEVICE_TIME:
+            row["best_peer_span"] = min(row[k + "_span"] for k in PEERS if k in row)
     print(json.dumps(row), flush=True)
     return row
 
@@ -253,9 +271,13 @@ def main():
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--cluster-knobs", action="store_true",
                     help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
+    ap.add_argument("--device-time", action="store_true",
+                    help="--targets: also each method's device time from a profiler trace")
     ap.add_argument("--ncu-one", type=int, default=None,
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
+    global DEVICE_TIME
+    DEVICE_TIME = args.device_time
     if args.ncu_one is not None:
         kernel, mask, xp, h0 = problem("rnn", 1152, 4, 32, 0.1, jnp.float16)
         bank = {"bank_period": 0} if args.ncu_one in (0, 1) else {}
@@ -327,6 +349,20 @@ def main():
                          f"{fmt(r['jax_scan'])} | {fmt(r['jax_scan_unroll8'])} | "
                          f"{fmt(r['jax_scan_unroll32'])} | {fmt(r.get('cudnn_lstm'))} | "
                          f"{fmt(r['best_peer'])} | {r['best_peer'] / r['sparse_persistent']:.2f}x |")
+            save()
+        if DEVICE_TIME:
+            lines += ["", "### Device time of the same calls (profiler trace, us/step)", "",
+                      "Span: the first device operation's start to the last one's end, per call "
+                      "(gaps between operations included, host dispatch before and the wait "
+                      "after excluded). Kernel: our persistent kernel's own duration.", "",
+                      "| config | ours: kernel | ours: span | target | JAX scan: span | "
+                      "best peer: span | speed-up (span) |", "|---|---|---|---|---|---|---|"]
+            for r in res["targets"]:
+                lines.append(
+                    f"| {config_name(r['cell'], r['H'], r['density'], r['dtype'])} | "
+                    f"{fmt(r['sparse_persistent_kernel'])} | {fmt(r['sparse_persistent_span'])} | "
+                    f"{fmt(r['target'])} | {fmt(r['jax_scan_span'])} | {fmt(r['best_peer_span'])} | "
+                    f"{r['best_peer_span'] / r['sparse_persistent_span']:.2f}x |")
             save()
     if args.cluster:
         from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415

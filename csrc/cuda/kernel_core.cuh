@@ -753,34 +753,32 @@ __device__ __forceinline__ void row_sums(const float* acc_s, int ul, int bt, flo
 }
 
 // The cell math's exp, tanh and sigmoid (the `M` policy of common/cells.h) per storage type.
-// For the 16-bit types, hardware exp2 and reciprocal based ones: about 1e-7 absolute error, far
-// below the outputs' 16-bit rounding, and a few straight-line instructions where expf / tanhf /
-// an IEEE division take tens with branches and slow-path calls. The LSTM update is one warp's
-// dependent chain on every step's critical path (step probe: 0.64 us/step of 2.54 at H=1024).
-// float32: AccurateCellMath below.
-#if defined(SPRNN_TANH_APPROX)
+// The cell update is one warp's dependent chain on every step's critical path (every block's
+// publish waits for it), so its activations' latency counts. For the 16-bit types:
+// tanh.approx.f32 (one MUFU.TANH, sm_75+; relative error about 2^-11, at a 16-bit result's
+// rounding) and sigmoid(x) = (1 + tanh(x / 2)) / 2, instead of exp-and-divide forms with two
+// MUFU ops each: LSTM H=1024 2.31 -> 2.21 us/step, update 0.41 -> 0.33 us (step probe,
+// benchmarks/NOTES.md, session 12). sm_70 has no tanh.approx and keeps the exp2 and reciprocal
+// forms (about 1e-7 absolute error). float32: AccurateCellMath below.
 struct FastCellMath {
   static __device__ __forceinline__ float exp(float x) { return __expf(x); }
   static __device__ __forceinline__ float tanh(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-  }
-  static __device__ __forceinline__ float sigmoid(float x) {
-    return fmaf(0.5f, tanh(0.5f * x), 0.5f);
-  }
-};
 #else
-struct FastCellMath {
-  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
-  static __device__ __forceinline__ float tanh(float x) {
     return __fdividef(2.0f, 1.0f + __expf(-2.0f * x)) - 1.0f;  // saturates to -1 / 1
+#endif
   }
   static __device__ __forceinline__ float sigmoid(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+    return fmaf(0.5f, tanh(0.5f * x), 0.5f);
+#else
     return __fdividef(1.0f, 1.0f + __expf(-x));  // 0 once exp(-x) > 2^126
+#endif
   }
 };
-#endif
 // float32: CUDA's accurate expf / tanhf, and a sigmoid without the division's slow-path call
 // (nvcc compiles 1.0f / y to MUFU.RCP plus a branch to a subroutine for denormal or huge y,
 // which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30,
