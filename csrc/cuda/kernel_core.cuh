@@ -804,15 +804,10 @@ using CellMath = typename CellMathOf<D>::type;
 // from the row results hw[G] and the input projection (xr when have_x, as load_x_pair stored
 // it, else loaded here), the ys/cs writes and the float32 state hst/cst[si]. Returns the new h
 // (the previous one past the sequence's end).
-// publish(h) runs as soon as the new h is known, before the state and output stores.
-struct NoPublish {
-  __device__ __forceinline__ void operator()(float) const {}
-};
-template <Cell kCell, DType D, class Publish = NoPublish>
+template <Cell kCell, DType D>
 __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps, int u, int b,
                                              int si, bool have_x, const typename Tr<D>::S* xr,
-                                             const float* hw, float* hst, float* cst,
-                                             Publish publish = {}) {
+                                             const float* hw, float* hst, float* cst) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
@@ -837,26 +832,20 @@ __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps
       for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
       float c = cst[si];
       hnew = lstm_step<CellMath<D>>(pre, c);
-      publish(hnew);
       cst[si] = c;
       cs[ps.o] = T::from_f(c);
     } else if constexpr (kCell == Cell::kGru) {
       const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
       hnew = gru_step<CellMath<D>>(x, hw, bh, hprev);
-      publish(hnew);
     } else {
       hnew = p.activation ? rnn_step<Cell::kRnnRelu, CellMath<D>>(x[0], hw[0])
                           : rnn_step<Cell::kRnnTanh, CellMath<D>>(x[0], hw[0]);
-      publish(hnew);
     }
     hst[si] = hnew;
     ys[ps.o] = T::from_f(hnew);
-  } else {
-    publish(hnew);
-    if (b < p.B) {  // padding position (padding columns b >= B write nothing)
-      ys[ps.o] = T::from_f(0.0f);
-      if constexpr (kCell == Cell::kLstm) cs[ps.o] = T::from_f(0.0f);
-    }
+  } else if (b < p.B) {  // padding position (padding columns b >= B write nothing)
+    ys[ps.o] = T::from_f(0.0f);
+    if constexpr (kCell == Cell::kLstm) cs[ps.o] = T::from_f(0.0f);
   }
   return hnew;
 }
@@ -1158,29 +1147,17 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const bool first = pi == tid;
         float hw[G];
         row_sums<G, BT>(acc_s, ul, bt, hw);
-        // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
-        const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
-#if defined(SPRNN_PUBLISH_FIRST)
-        auto publish = [&](float h) {
-          if (p.lamport) st_relaxed(xtag + xo, T::make_x(T::f_to_bits(h), T::tag_of(s)));
-        };
-#else
-        NoPublish publish;
-#endif
         const float hnew =
             update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
-                                  b, ul * bpad + b, first, xr, hw, hst, cst, publish);
-#if defined(SPRNN_PUBLISH_FIRST)
-        if (!p.lamport) {
-#else
+                                  b, ul * bpad + b, first, xr, hw, hst, cst);
+        // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
+        const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
           st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
+        } else if constexpr (sizeof(S) == 4) {
+          __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
-#endif
-          if constexpr (sizeof(S) == 4)
-            __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
-          else
-            __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
+          __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
         }
       }
       SPRNN_PROBE_STAMP(s, 3);
