@@ -560,11 +560,6 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #ifndef SPRNN_ROW_TAIL_DEPTH
 #define SPRNN_ROW_TAIL_DEPTH 4
 #endif
-// Whether one-gate cells update in the row lanes (persistent_fwd's kFusedUpdate; a macro only
-// so that the step probe can compare).
-#ifndef SPRNN_FUSED_UPDATE
-#define SPRNN_FUSED_UPDATE 1
-#endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
@@ -717,48 +712,34 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
   return acc[0];
 }
 
-// Where compute_rows puts a row's sums: acc_s[r * BT + col] for the cell update pass.
-template <int BT>
-struct RowsToShared {
-  float* acc_s;
-  __device__ __forceinline__ void prepare(int, int) {}
-  __device__ __forceinline__ void operator()(int r, int col, float sum) const {
-    acc_s[r * BT + col] = sum;
-  }
-};
-
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
-// a group of kGroup lanes per row (row_dot): one warp per row, or two rows per warp at a time
-// (kGroup = 16). out.prepare(r, col) runs before row r's dot products in the lanes that will
-// receive its sums, out(r, col, sum) once per (row, batch column) with the sum.
-template <DType D, int BT, bool kWide, int kGroup = 32, class Out>
+// into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
+// rows per warp at a time (kGroup = 16).
+template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
-                                             int nrows, Out& out) {
+                                             int nrows, float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
-  // With kLPN = 1 the lanes g % kHold == 0 receive the sums, of column g / kHold.
-  constexpr int kHold = M::kLPN == 1 ? kGroup / M::kNV : 1;
   const int lane = threadIdx.x & 31;
   const int g = lane % kGroup;
   for (int base = (threadIdx.x >> 5) * kRowsPerWarp; base < nrows;
        base += (blockDim.x >> 5) * kRowsPerWarp) {  // the same trip count in the whole warp
     const int r = base + lane / kGroup;
     const bool has_row = r < nrows;
-    if (M::kLPN == 1 && has_row && g % kHold == 0) out.prepare(r, g / kHold);
     float acc[M::kNV];
     row_dot<D, BT, kWide, kGroup>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
                                   has_row ? rows_s[r + 1] : 0, acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
       const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
-      if (has_row && g % kHold == 0) out(r, col, sum);
+      if (has_row && g % (kGroup / M::kNV) == 0) acc_s[r * BT + col] = sum;
     } else {
       sum_slices<M::kNV, kGroup, M::kLPN>(acc);
       if (has_row && g < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
 #pragma unroll
-        for (int i = 0; i < M::kNV; ++i) out(r, g * M::kNV + i, acc[i]);
+        for (int i = 0; i < M::kNV; ++i) acc_s[r * BT + g * M::kNV + i] = acc[i];
       }
     }
   }
@@ -868,48 +849,6 @@ __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps
   }
   return hnew;
 }
-
-// h_s of pair word xo at step s into the exchange buffer (Lamport: value + tag word; barrier
-// mode: the raw value).
-template <DType D>
-__device__ __forceinline__ void publish_h(const Params& p, long long xo, float h, int s) {
-  using T = Tr<D>;
-  using S = typename T::S;
-  if (p.lamport) {
-    st_relaxed(static_cast<typename T::X*>(p.xbuf) + xo, T::make_x(T::f_to_bits(h), T::tag_of(s)));
-  } else if constexpr (sizeof(S) == 4) {
-    __stcg(static_cast<float*>(p.xbuf) + xo, h);
-  } else {
-    __stcg(static_cast<unsigned short*>(p.xbuf) + xo, static_cast<unsigned short>(T::f_to_bits(h)));
-  }
-}
-
-// The one-gate cells' update inside compute_rows: the lane that receives row r's sum for batch
-// column col updates pair (unit u0 + r, column j * BT + col) and publishes it at once, instead
-// of acc_s, a block barrier and a separate update pass (persistent_fwd's kFusedUpdate). Its
-// input projection is loaded in prepare(), before the row's dot products.
-template <Cell kCell, DType D, int BT>
-struct FusedUpdate {
-  using S = typename Tr<D>::S;
-  const Params& p;
-  int s, j, u0, bpad;
-  long long tile_off;
-  const int* len_s;
-  float* hst;
-  PairStep ps{};
-  S x[1] = {};
-  __device__ __forceinline__ void prepare(int r, int col) {
-    const int b = j * BT + col;
-    ps = pair_step(p, s, len_s[b], b, u0 + r);
-    if (ps.valid) load_x_pair<D, 1>(p, ps, u0 + r, x);
-  }
-  __device__ __forceinline__ void operator()(int r, int col, float sum) {
-    const int b = j * BT + col;
-    const float hw[1] = {sum};
-    const float h = update_pair<kCell, D>(p, ps, u0 + r, b, r * bpad + b, true, x, hw, hst, nullptr);
-    publish_h<D>(p, tile_off + static_cast<long long>(u0 + r) * BT + col, h, s);
-  }
-};
 
 // After the step loop (callers barrier first: hst/cst were written by other threads): zero ys
 // (and cs) at steps [lmax, T) of sequences [b_lo, b_hi) for the block's units, and write their
@@ -1059,9 +998,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
 
   const int npairs = nu * BT;
-  // One-gate cells update a pair in the lane that sums its row (FusedUpdate): the row's
-  // publish no longer waits for the block's slowest row and a separate update pass.
-  constexpr bool kFusedUpdate = G == 1 && kLPN == 1 && SPRNN_FUSED_UPDATE;
   // Half a warp per row where that turns two passes over the rows into one (step probe,
   // us/step whole vs half: LSTM H=1024 2.71 -> 2.54, ReLU H=2304 30% 3.77 -> 3.63); with more
   // rows (ReLU H=5760: 6.71 -> 7.29, LSTM H=4096: 11.75 -> 12.06) or fewer, whole warps.
@@ -1076,14 +1012,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * H) * BT;
       const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
 
-      // With the fused update, the rows of the previous tile or step read h_s until here.
-      if (kFusedUpdate && (s > 0 || j > j_lo)) __syncthreads();
       // This thread's first (unit, b) pair: its step, publish offset and input projection
       // (the loads in flight while the block waits for h), ready for the update.
       S xr[G] = {};
       PairStep ps0{};
       long long xo0 = 0;
-      if (!kFusedUpdate && tid < npairs) {
+      if (tid < npairs) {
         const int b = j * BT + tid % BT, u = u0 + tid / BT;
         ps0 = pair_step(p, s, len_s[b], b, u);
         xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
@@ -1196,37 +1130,34 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       if (__syncthreads_or(aborted)) return;
       SPRNN_PROBE_STAMP(s, 1);
 
-      // 2. Rows (compute_rows above), with the fused update (3.) for one-gate cells.
-      if constexpr (kFusedUpdate) {
-        FusedUpdate<kCell, D, BT> out{p, s, j, u0, bpad, tile_off, len_s, hst};
+      // 2. Rows (compute_rows above).
+      if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
-          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, out);
+          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
         else
-          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, out);
-        SPRNN_PROBE_STAMP(s, 2);
-      } else {
-        RowsToShared<BT> out{acc_s};
-        if (SPRNN_PROBE_MODE != 1) {
-          if (two_rows_per_warp)
-            compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, out);
-          else
-            compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, out);
-        }
-        __syncthreads();
-        SPRNN_PROBE_STAMP(s, 2);
+          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+      }
+      __syncthreads();
+      SPRNN_PROBE_STAMP(s, 2);
 
-        // 3. Cell update and publish.
-        for (int pi = tid; pi < npairs; pi += nthr) {
-          const int ul = pi / BT, bt = pi % BT;
-          const int b = j * BT + bt;
-          const bool first = pi == tid;
-          float hw[G];
-          row_sums<G, BT>(acc_s, ul, bt, hw);
-          const float hnew =
-              update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul),
-                                    u0 + ul, b, ul * bpad + b, first, xr, hw, hst, cst);
-          publish_h<D>(p, first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt,
-                       hnew, s);
+      // 3. Cell update and publish.
+      for (int pi = tid; pi < npairs; pi += nthr) {
+        const int ul = pi / BT, bt = pi % BT;
+        const int b = j * BT + bt;
+        const bool first = pi == tid;
+        float hw[G];
+        row_sums<G, BT>(acc_s, ul, bt, hw);
+        const float hnew =
+            update_pair<kCell, D>(p, first ? ps0 : pair_step(p, s, len_s[b], b, u0 + ul), u0 + ul,
+                                  b, ul * bpad + b, first, xr, hw, hst, cst);
+        // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
+        const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
+        if (p.lamport) {
+          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
+        } else if constexpr (sizeof(S) == 4) {
+          __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
+        } else {
+          __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
         }
       }
       SPRNN_PROBE_STAMP(s, 3);
