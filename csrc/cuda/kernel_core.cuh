@@ -1027,9 +1027,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
       bool aborted = false;
-#if defined(SPRNN_POLL_DELAY_NS)
-      if (s > 0 && (tid >> 5) >= ((npairs + 31) >> 5)) __nanosleep(SPRNN_POLL_DELAY_NS);
-#endif
       if (s == 0) {
         for (int it = tid; it < H * kRPU; it += nthr) {
           const int u = it / kRPU, c0 = (it % kRPU) * kRW;
