@@ -27,7 +27,7 @@ from jax.profiler import ProfileData  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu as bg  # noqa: E402
-from device_time import kind_of, traced_calls  # noqa: E402
+from device_time import call_times, kind_of, traced_calls  # noqa: E402
 
 
 def host_events(path):
@@ -85,7 +85,7 @@ def main():
                     continue
                 mus = [e[2] / 1e3 for c in calls for e in c if kind_of(e[0]) == "memset"]
                 gaps = [(b[1] - a_[1] - a_[2]) / 1e3 for c in calls for a_, b in zip(c, c[1:])]
-                spans = [(max(e[1] + e[2] for e in c) - c[0][1]) / 1e3 for c in calls]
+                spans = [call_times(c)["span"] for c in calls]
                 kern_med[(T, label)] = float(np.median(kus))
                 res.append(dict(layer=layer, T=T, sync_check=label, wall_us=walls,
                                 span_us=spans, kernel_us=kus, memset_us=mus, gaps_us=gaps))

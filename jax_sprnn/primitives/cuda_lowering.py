@@ -39,7 +39,8 @@ where a block has more rows than warps but at most twice as many, each warp take
 side by side (half a warp each). With a batch tile of 4, a 16-bit layer whose gather of h needs
 more than one round of loads per thread (H > 4096 at 512 threads) runs a build with twice the
 h bytes in flight per thread (the plan's ``deep_gather``; float32 only when forced). The 16-bit
-cells use hardware exp2 / reciprocal for exp, tanh and sigmoid (about 1e-7 absolute error);
+cells use the hardware tanh (``tanh.approx.f32``, relative error about 2^-11, the rounding of a
+16-bit result) for tanh and sigmoid on sm_75+, and exp2 / reciprocal forms on sm_70;
 float32 uses CUDA's accurate expf / tanhf and a reciprocal refined by one Newton step in the
 sigmoid (about 1 ulp).
 Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT`` (forced tile,
