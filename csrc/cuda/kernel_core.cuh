@@ -563,6 +563,14 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
+// Weight words each lane keeps in registers for the first row it sums (its first
+// kRegWeights nonzeros there): that round reads no weights from shared memory. 0 = none.
+#ifndef SPRNN_REG_WEIGHTS
+#define SPRNN_REG_WEIGHTS 0
+#endif
+constexpr int kRegWeights = SPRNN_REG_WEIGHTS;
+constexpr int kRegSlots = kRegWeights > 0 ? kRegWeights : 1;  // no zero-length arrays
+
 // 32-bit words of h each thread has in flight in the gather: 32 (128 bytes), or twice that in
 // the deep-gather build of a tile (persistent_fwd's kDeepGather). A big layer's gather is bound
 // by these bytes in flight: 64 words (up to 128 registers, no spills) cut ReLU H=5760's gather
@@ -590,22 +598,15 @@ struct RowMap {
   static constexpr int kLPN = BT / kNV;
 };
 
-// One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
-// kPredicated, only those below k1: the others do no FMA, since 0 * inf would be NaN), all
-// weight loads first, then all gathers, then the FMAs into acc.
-template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated>
-__device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
-                                          const typename Tr<D>::S* h_s, int H, int k, int k1,
-                                          int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
+// The FMAs of kDepth weight words wq of this lane (only those with on[q]: 0 * inf would be NaN):
+// all gathers first, then the FMAs into acc.
+template <DType D, int BT, bool kWide, int kDepth>
+__device__ __forceinline__ void dot_words(const typename Tr<D>::W (&wq)[kDepth],
+                                          const bool (&on)[kDepth], const typename Tr<D>::S* h_s,
+                                          int H, int b0,
+                                          float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   constexpr int kNV = RowMap<D, BT, kWide>::kNV;
-  typename T::W wq[kDepth];
-  bool on[kDepth];
-#pragma unroll
-  for (int q = 0; q < kDepth; ++q) {
-    on[q] = !kPredicated || k + kNS * q < k1;
-    wq[q] = on[q] ? w_s[k + kNS * q] : typename T::W{};
-  }
   float v[kDepth], hv[kDepth][kNV];
 #pragma unroll
   for (int q = 0; q < kDepth; ++q) {
@@ -617,6 +618,22 @@ __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
   for (int q = 0; q < kDepth; ++q)
 #pragma unroll
     for (int i = 0; i < kNV; ++i) acc[i] = on[q] ? fmaf(v[q], hv[q][i], acc[i]) : acc[i];
+}
+
+// One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
+// kPredicated, only those below k1), all weight loads first, then dot_words.
+template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated>
+__device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
+                                          const typename Tr<D>::S* h_s, int H, int k, int k1,
+                                          int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
+  typename Tr<D>::W wq[kDepth];
+  bool on[kDepth];
+#pragma unroll
+  for (int q = 0; q < kDepth; ++q) {
+    on[q] = !kPredicated || k + kNS * q < k1;
+    wq[q] = on[q] ? w_s[k + kNS * q] : typename Tr<D>::W{};
+  }
+  dot_words<D, BT, kWide, kDepth>(wq, on, h_s, H, b0, acc);
 }
 
 // Step 2 for one row, by a group of kGroup lanes (a whole warp, or half of one: see
@@ -632,6 +649,7 @@ template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
+                                        const typename Tr<D>::W (&wreg)[kRegSlots], bool use_reg,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -652,6 +670,15 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
     // The choices depend on the group's position kr only, not on the lane's slice, so a group
     // never diverges (lanes of one row differ by one nonzero at most).
     int kr = k0;
+    if constexpr (kRegWeights > 0) {
+      if (use_reg) {  // this lane's first kRegWeights nonzeros of the row, held in wreg
+        bool on[kRegWeights];
+#pragma unroll
+        for (int q = 0; q < kRegWeights; ++q) on[q] = k0 + sl + kNS * q < k1;
+        dot_words<D, BT, kWide, kRegWeights>(wreg, on, h_s, H, b0, acc);
+        kr = k0 + kRegWeights * kNS;
+      }
+    }
     for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
       dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
     if (k1 - kr > kRowTailDepth * kNS) {
@@ -719,7 +746,8 @@ template <DType D, int BT, bool kWide, int kGroup = 32>
 __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
-                                             int nrows, float* acc_s) {
+                                             int nrows, const typename Tr<D>::W (&wreg)[kRegSlots],
+                                             float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x & 31;
@@ -730,7 +758,8 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     const bool has_row = r < nrows;
     float acc[M::kNV];
     row_dot<D, BT, kWide, kGroup>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
-                                  has_row ? rows_s[r + 1] : 0, acc);
+                                  has_row ? rows_s[r + 1] : 0, wreg,
+                                  base < (blockDim.x >> 5) * kRowsPerWarp, acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
       const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
@@ -1004,6 +1033,21 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool two_rows_per_warp =
       p.row_lanes == 16 ||
       (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
+  // Register weights (kRegWeights): the nonzeros of this lane's first row that row_dot's
+  // register round takes (same lane, row and order as there; on-chip rows only).
+  W wreg[kRegSlots] = {};
+  if constexpr (kRegWeights > 0) {
+    const int group = two_rows_per_warp ? 16 : 32;
+    const int r = (tid >> 5) * (32 / group) + (tid & 31) / group;
+    const int sl = ((tid & 31) % group) / kLPN, ns = group / kLPN;
+    if (r < nu * G && rows_s[r + 1] <= n_in) {
+#pragma unroll
+      for (int q = 0; q < kRegWeights; ++q) {
+        const int k = rows_s[r] + sl + ns * q;
+        wreg[q] = k < rows_s[r + 1] ? w_s[k] : W{};
+      }
+    }
+  }
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -1133,9 +1177,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
-          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
         else
-          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, acc_s);
+          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
