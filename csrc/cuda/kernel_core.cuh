@@ -636,22 +636,6 @@ __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
   dot_words<D, BT, kWide, kDepth>(wq, on, h_s, H, b0, acc);
 }
 
-// dot_round from the lane's register weights wreg (their first kDepth words) instead of w_s.
-template <DType D, int BT, bool kWide, int kNS, int kDepth>
-__device__ __forceinline__ void reg_round(const typename Tr<D>::W (&wreg)[kRegSlots],
-                                          const typename Tr<D>::S* h_s, int H, int k, int k1,
-                                          int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
-  static_assert(kDepth <= kRegSlots, "held in registers");
-  typename Tr<D>::W wq[kDepth];
-  bool on[kDepth];
-#pragma unroll
-  for (int q = 0; q < kDepth; ++q) {
-    on[q] = k + kNS * q < k1;
-    wq[q] = wreg[q];
-  }
-  dot_words<D, BT, kWide, kDepth>(wq, on, h_s, H, b0, acc);
-}
-
 // Step 2 for one row, by a group of kGroup lanes (a whole warp, or half of one: see
 // compute_rows): the dot products of the row's nonzeros [k0, k1) (offsets
 // from the block's first nonzero; those below n_in are in w_s, the rest are read from global
@@ -688,11 +672,10 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
     int kr = k0;
     if constexpr (kRegWeights > 0) {
       if (use_reg) {  // this lane's first kRegWeights nonzeros of the row, held in wreg
-        // (a short row takes a round of kRowTailDepth, as below: no gathers for nothing)
-        if (kRegWeights <= kRowTailDepth || k1 - k0 > kRowTailDepth * kNS)
-          reg_round<D, BT, kWide, kNS, kRegWeights>(wreg, h_s, H, k0 + sl, k1, b0, acc);
-        else
-          reg_round<D, BT, kWide, kNS, kRowTailDepth>(wreg, h_s, H, k0 + sl, k1, b0, acc);
+        bool on[kRegWeights];
+#pragma unroll
+        for (int q = 0; q < kRegWeights; ++q) on[q] = k0 + sl + kNS * q < k1;
+        dot_words<D, BT, kWide, kRegWeights>(wreg, on, h_s, H, b0, acc);
         kr = k0 + kRegWeights * kNS;
       }
     }
