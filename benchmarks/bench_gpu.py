@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
-                                   [--spread] [--overhead] [--device-time]
+                                   [--spread] [--overhead] [--device-time] [--reg]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -16,6 +16,8 @@ the span of a call's device operations and our kernel's own duration, per step.
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
 and float16 (the planner turns it on for 16-bit H > 4096 at 512 threads; for float32 only when
 forced, since session 9).
+--reg: the register-weights build off / on (SPRNN_CUDA_REG_WEIGHTS), wall and kernel time, on
+layers whose lanes have more or fewer than 4 nonzeros per row.
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -111,6 +113,10 @@ def method_kernel(cell, act, w, xp, carry, variant=None):
         if cell == "rnn":
             ys, h = sp.rnn(xp, carry[0], w, act, implementation="kernel")
             return ys, (h,)
+        if cell == "gru":  # (a zero hidden-side bias of n: the same work as any other)
+            ys, h = sp.gru(xp, carry[0], w, jnp.zeros(w.hidden_size, xp.dtype),
+                           implementation="kernel")
+            return ys, (h,)
         ys, (c, h) = sp.lstm(xp, carry, w, implementation="kernel")
         return ys, (c, h)
     f, c0 = chain(once, carry)
@@ -124,7 +130,7 @@ def method_kernel(cell, act, w, xp, carry, variant=None):
 def kernel_call(cell, act, H, B, T, density, dtype, variant=None):
     """The chained kernel call on a fresh problem (for the knob sweeps): (f, xp, c0)."""
     kernel, mask, xp, h0 = problem(cell, H, B, T, density, dtype)
-    carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
+    carry = (h0 * 0, h0) if cell == "lstm" else (h0,)
     f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry,
                           variant)
     return f, xp, c0
@@ -269,6 +275,8 @@ def main():
                     help="fixed us per recurrence and us per step, T = 1 .. 1024 (B=4, fp16)")
     ap.add_argument("--deep", action="store_true",
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
+    ap.add_argument("--reg", action="store_true",
+                    help="the register-weights build off / on (B=4, 16-bit), wall and kernel time")
     ap.add_argument("--cluster-knobs", action="store_true",
                     help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
     ap.add_argument("--device-time", action="store_true",
@@ -277,7 +285,7 @@ def main():
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
     global DEVICE_TIME
-    DEVICE_TIME = args.device_time
+    DEVICE_TIME = args.device_time or args.reg
     if args.ncu_one is not None:
         kernel, mask, xp, h0 = problem("rnn", 1152, 4, 32, 0.1, jnp.float16)
         bank = {"bank_period": 0} if args.ncu_one in (0, 1) else {}
@@ -493,6 +501,31 @@ def main():
                 res.setdefault("deep", []).append(row)
                 lines.append("- " + json.dumps(row))
                 save()
+    if args.reg:
+        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+        lines += ["", "## Register weights off / on (B=4; us/step wall, then kernel only; "
+                  "`plan` = the default's choice)", "",
+                  "| layer | plan | off | on |", "|---|---|---|---|"]
+        for cell, act, H, d, dt in [("rnn", "relu", 1152, 0.1, jnp.float16),
+                                    ("rnn", "relu", 1024, 0.1, jnp.float16),
+                                    ("rnn", "relu", 2304, 0.3, jnp.float16),
+                                    ("lstm", None, 1024, 0.1, jnp.float16),
+                                    ("lstm", None, 1024, 0.1, jnp.bfloat16),
+                                    ("gru", None, 1024, 0.1, jnp.float16),
+                                    ("lstm", None, 4096, 0.1, jnp.float16)]:
+            f, xp, c0 = kernel_call(cell, act, H, 4, T, d, dt)
+            row = dict(cell=cell, H=H, density=d, dtype=jnp.dtype(dt).name, sweep="reg",
+                       plan_reg=cuda_lowering.plan(
+                           cell, dt, H, 4, int(d * GATES[cell] * H * H))["reg_weights"])
+            for name in ("off", "on"):
+                with knobs_set({"SPRNN_CUDA_REG_WEIGHTS": "1" if name == "on" else "0"}):
+                    time_method(row, "reg_" + name, f, (xp, c0), K * T)
+            print(json.dumps(row), flush=True)
+            res.setdefault("reg", []).append(row)
+            lines.append(f"| {cell} H={H} d={d:.0%} {row['dtype']} | {row['plan_reg']} | "
+                         + " | ".join(f"{fmt(row['reg_' + n])} / {fmt(row['reg_' + n + '_kernel'])}"
+                                      for n in ("off", "on")) + " |")
+            save()
     if args.groups:
         # Batch groups (SPRNN_CUDA_GROUPS=n: n tiles of about B / n run at once, each on its own
         # blocks) against the default plan, per layer and batch.

@@ -74,3 +74,33 @@ def test_deep_gather_plans(monkeypatch):
     monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
     assert deep("rnn", jnp.float16, 1152)[0]
     assert deep("rnn", jnp.float32, 4608)[0]
+
+
+def test_reg_weights_plans(monkeypatch):
+    def reg(cell, dtype, H, B=4, d=0.1):
+        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+        return info["reg_weights"], info
+
+    # 16-bit tile 4 where a lane's share of a row is more than 4 nonzeros (the kernel's rows per
+    # lane: half warps when a block has 17..32 rows, else whole warps).
+    for cell, H, d in [("lstm", 1024, 0.1), ("gru", 1024, 0.1), ("rnn", 2304, 0.3),
+                       ("lstm", 4096, 0.1)]:
+        got, info = reg(cell, jnp.float16, H, d=d)
+        assert got, (cell, H, d, info)
+        assert reg(cell, jnp.bfloat16, H, d=d)[0], (cell, H, d)
+    assert not reg("rnn", jnp.float16, 1152)[0]  # 115-nonzero rows, whole warps: 3.6 per lane
+    assert not reg("rnn", jnp.float16, 1024)[0]
+    assert not reg("lstm", jnp.float32, 1024)[0]  # 16-bit weights only
+    assert not reg("rnn", jnp.float16, 5760)[0]  # the deep build holds its gather there
+    assert not reg("lstm", jnp.float16, 1024, B=1)[0]  # tile 1: no register build
+    # Two batch groups of tile 4 on 66 blocks each: ReLU H=1152 then has 17-18 rows per block
+    # (half warps, 7.2 per lane), LSTM H=1024 62 (whole warps, 3.2 per lane).
+    assert reg("rnn", jnp.float16, 1152, B=8)[0]
+    assert not reg("lstm", jnp.float16, 1024, B=8)[0]
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "0")
+    assert not reg("lstm", jnp.float16, 1024)[0]
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "1")
+    assert reg("rnn", jnp.float16, 1152)[0]
+    assert not reg("rnn", jnp.float32, 1152)[0]
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
+    assert not reg("rnn", jnp.float16, 1152)[0]

@@ -239,6 +239,27 @@ def test_deep_gather(cell, dtype, monkeypatch):
     check(cell, dtype, (4, 4, 2304, 0.05, "uniform"), 3, 2)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cell", CELLS)
+def test_reg_weights(cell, dtype, monkeypatch):
+    # The tile-4 build with each lane's first weights in registers (kernel_core.cuh
+    # kRegWeights): the default plan where it is picked, then forced on every shape (other
+    # tiles ignore it) and on rows longer than the register round (shared-memory rounds after
+    # it), skewed and with empty rows, whole and half warps per row.
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    H, d = (2304, 0.3) if cell == "rnn" else (1024, 0.1)
+    gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
+    assert cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, int(d * gates * H * H))["reg_weights"]
+    check(cell, dtype, (3, 4, H, d, "skewed"), 3, 1)
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "1")
+    for n, shape in enumerate(SHAPES + [(4, 3, 700, 0.6, "empty_rows"), (5, 4, 900, 0.4, "skewed")]):
+        check(cell, dtype, shape, 3, n)
+    for lanes in ("16", "32"):
+        monkeypatch.setenv("SPRNN_CUDA_ROW_LANES", lanes)
+        check(cell, dtype, (4, 4, 517, 0.7, "skewed"), 3, 2)
+
+
 @pytest.mark.parametrize("cell", CELLS)
 def test_block_local_weights_long_sequence(cell):
     # A banded matrix: a block's rows read only its own and neighbouring units, so with the

@@ -80,6 +80,7 @@ struct Plan {
   int cluster = 0;  // > 0: the cluster kernel with clusters of this many CTAs, one per tile
   int groups = 1;   // > 1: batch groups (Params::groups), nb / groups blocks per tile
   bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
+  bool reg_weights = false;  // the tile-4 build with each lane's first weights in registers
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
@@ -294,6 +295,22 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
     best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * chunks;
   }
+  // The register-weights build (kernel_core.cuh kRegWeights; 16-bit, not beside the deep build,
+  // whose gather uses those registers) where a lane's share of a row is more than one short
+  // round (kRowTailDepth nonzeros): the rows per block and lanes per row as the kernel maps
+  // them (two rows per warp when that makes one pass). Step probe, us/step: LSTM H=1024 (6.4
+  // per lane) 2.21 -> 2.09, ReLU H=2304 30% (43) 3.35 -> 3.21, LSTM H=4096 (12.8) 9.18 ->
+  // 9.13; ReLU H=1152 (3.6) 1.83 -> 1.82 and ReLU H=1024 (3.2) 1.68 -> 1.73 keep the plain
+  // build (benchmarks/NOTES.md, session 13). SPRNN_CUDA_REG_WEIGHTS=0/1 forces it off/on.
+  if (best.persistent && best.wide && best.lamport && best.bt == 4 && dtype != 0 &&
+      !best.deep_gather) {
+    const long long knob = env_int("SPRNN_CUDA_REG_WEIGHTS", -1);
+    const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
+    const long long warps = best.threads / 32, lanes_knob = env_int("SPRNN_CUDA_ROW_LANES", 0);
+    const bool half = lanes_knob == 16 || (lanes_knob == 0 && rows > warps && rows <= 2 * warps);
+    const double per_lane = static_cast<double>(nnz) / std::max<long long>(1, gates * H) / (half ? 16 : 32);
+    best.reg_weights = knob >= 0 ? knob != 0 : per_lane > kRowTailDepth;
+  }
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
@@ -421,9 +438,9 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
 
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
   switch (cell) {
-    case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather);
-    case Cell::kGru: return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather);
-    default: return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather);
+    case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+    case Cell::kGru: return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+    default: return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
   }
 }
 
@@ -846,6 +863,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["tiles"] = pl.ntiles;
   r["groups"] = pl.groups;
   r["deep_gather"] = pl.deep_gather;
+  r["reg_weights"] = pl.reg_weights;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
   r["units_cap"] = pl.u_cap;

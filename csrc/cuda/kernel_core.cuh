@@ -563,13 +563,17 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
-// Weight words each lane keeps in registers for the first row it sums (its first
-// kRegWeights nonzeros there): that round reads no weights from shared memory. 0 = none.
-#ifndef SPRNN_REG_WEIGHTS
-#define SPRNN_REG_WEIGHTS 0
-#endif
-constexpr int kRegWeights = SPRNN_REG_WEIGHTS;
-constexpr int kRegSlots = kRegWeights > 0 ? kRegWeights : 1;  // no zero-length arrays
+// Register weights (persistent_fwd's kRegW > 0): each lane keeps the weight words of its first
+// kRegW nonzeros of the first row it sums in registers, loaded once, so that round of row_dot
+// reads no weights from shared memory (a third of its shared-memory wavefronts, and one
+// dependent load less before the gathers). 16-bit weights only (one 32-bit word each; a
+// float32 word is 64 bits and its kernel has no registers to spare). Step probe, fp16, B=4,
+// us/step without / with 8 (benchmarks/NOTES.md, session 13): LSTM H=1024 2.21 -> 2.09, ReLU
+// H=2304 30% 3.35 -> 3.21; lanes with at most kRowTailDepth nonzeros per row gain nothing
+// (ReLU H=1152 1.83 -> 1.82) or lose (ReLU H=1024 1.68 -> 1.73: the round gathers 8 words
+// for 3-4), so the planner picks the build per layer (handlers.cu).
+constexpr int kRegWeights = 8;
+__host__ __device__ constexpr int reg_slots(int reg_w) { return reg_w > 0 ? reg_w : 1; }
 
 // 32-bit words of h each thread has in flight in the gather: 32 (128 bytes), or twice that in
 // the deep-gather build of a tile (persistent_fwd's kDeepGather). A big layer's gather is bound
@@ -645,11 +649,12 @@ __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
 // float32: acc holds this lane's partial sums (compute_rows sums the slices). A group without a
 // row passes k0 = k1 = 0. With kLPN = 1 and whole warps a row's k-th nonzero goes to lane
 // k % 32, which is what the bank-aware packing order assumes.
-template <DType D, int BT, bool kWide, int kGroup = 32>
+template <DType D, int BT, bool kWide, int kGroup, int kRegW>
 __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
-                                        const typename Tr<D>::W (&wreg)[kRegSlots], bool use_reg,
+                                        const typename Tr<D>::W (&wreg)[reg_slots(kRegW)],
+                                        bool use_reg,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -670,13 +675,13 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
     // The choices depend on the group's position kr only, not on the lane's slice, so a group
     // never diverges (lanes of one row differ by one nonzero at most).
     int kr = k0;
-    if constexpr (kRegWeights > 0) {
-      if (use_reg) {  // this lane's first kRegWeights nonzeros of the row, held in wreg
-        bool on[kRegWeights];
+    if constexpr (kRegW > 0) {
+      if (use_reg) {  // this lane's first kRegW nonzeros of the row, held in wreg
+        bool on[kRegW];
 #pragma unroll
-        for (int q = 0; q < kRegWeights; ++q) on[q] = k0 + sl + kNS * q < k1;
-        dot_words<D, BT, kWide, kRegWeights>(wreg, on, h_s, H, b0, acc);
-        kr = k0 + kRegWeights * kNS;
+        for (int q = 0; q < kRegW; ++q) on[q] = k0 + sl + kNS * q < k1;
+        dot_words<D, BT, kWide, kRegW>(wreg, on, h_s, H, b0, acc);
+        kr = k0 + kRegW * kNS;
       }
     }
     for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
@@ -742,11 +747,11 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
-template <DType D, int BT, bool kWide, int kGroup = 32>
+template <DType D, int BT, bool kWide, int kGroup, int kRegW>
 __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
-                                             int nrows, const typename Tr<D>::W (&wreg)[kRegSlots],
+                                             int nrows, const typename Tr<D>::W (&wreg)[reg_slots(kRegW)],
                                              float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
@@ -757,7 +762,7 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     const int r = base + lane / kGroup;
     const bool has_row = r < nrows;
     float acc[M::kNV];
-    row_dot<D, BT, kWide, kGroup>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
+    row_dot<D, BT, kWide, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
                                   has_row ? rows_s[r + 1] : 0, wreg,
                                   base < (blockDim.x >> 5) * kRowsPerWarp, acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
@@ -926,7 +931,7 @@ constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
-template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false>
+template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -1033,16 +1038,17 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool two_rows_per_warp =
       p.row_lanes == 16 ||
       (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
-  // Register weights (kRegWeights): the nonzeros of this lane's first row that row_dot's
-  // register round takes (same lane, row and order as there; on-chip rows only).
-  W wreg[kRegSlots] = {};
-  if constexpr (kRegWeights > 0) {
+  // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
+  // round takes (the same lane, row and order as there; rows wholly on chip only).
+  static_assert(kRegW == 0 || sizeof(W) == 4, "register weights: 16-bit words only");
+  W wreg[reg_slots(kRegW)] = {};
+  if constexpr (kRegW > 0) {
     const int group = two_rows_per_warp ? 16 : 32;
     const int r = (tid >> 5) * (32 / group) + (tid & 31) / group;
     const int sl = ((tid & 31) % group) / kLPN, ns = group / kLPN;
     if (r < nu * G && rows_s[r + 1] <= n_in) {
 #pragma unroll
-      for (int q = 0; q < kRegWeights; ++q) {
+      for (int q = 0; q < kRegW; ++q) {
         const int k = rows_s[r] + sl + ns * q;
         wreg[q] = k < rows_s[r + 1] ? w_s[k] : W{};
       }
@@ -1177,9 +1183,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
-          compute_rows<D, BT, kWide, 16>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
+          compute_rows<D, BT, kWide, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
         else
-          compute_rows<D, BT, kWide>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
+          compute_rows<D, BT, kWide, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);

@@ -38,7 +38,9 @@ block: a warp per row of the block plus three, 8 to 16 warps (the kernel is buil
 where a block has more rows than warps but at most twice as many, each warp takes two rows
 side by side (half a warp each). With a batch tile of 4, a 16-bit layer whose gather of h needs
 more than one round of loads per thread (H > 4096 at 512 threads) runs a build with twice the
-h bytes in flight per thread (the plan's ``deep_gather``; float32 only when forced). The 16-bit
+h bytes in flight per thread (the plan's ``deep_gather``; float32 only when forced); otherwise
+a 16-bit layer whose rows give each lane more than 4 nonzeros runs a build that keeps each
+lane's first 8 weights of its first row in registers (``reg_weights``). The 16-bit
 cells use the hardware tanh (``tanh.approx.f32``, relative error about 2^-11, the rounding of a
 16-bit result) for tanh and sigmoid on sm_75+, and exp2 / reciprocal forms on sm_70;
 float32 uses CUDA's accurate expf / tanhf and a reciprocal refined by one Newton step in the
@@ -51,7 +53,8 @@ no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
 ``SPRNN_CUDA_ROW_LANES`` (lanes per row; variants 0-4: 16 or 32 forces half or whole warps,
 variant 5: default from the row length), ``SPRNN_CUDA_DEEP_GATHER`` (0 / 1 forces the deep
-gather off / on for batch tiles of 4).
+gather off / on for batch tiles of 4), ``SPRNN_CUDA_REG_WEIGHTS`` (0 / 1 forces the register
+weights off / on for 16-bit batch tiles of 4 without the deep gather).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
@@ -89,7 +92,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     Keys include ``persistent`` (False: per-step fallback), ``variant``, ``cluster`` (CTAs per
     cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``tiles``, ``groups`` (> 1: the
     tiles run at once, each on blocks / groups blocks), ``deep_gather`` (the tile-4 kernel with
-    twice the h bytes in flight per thread, for layers whose gather needs more), ``blocks``,
+    twice the h bytes in flight per thread, for layers whose gather needs more),
+    ``reg_weights`` (the tile-4 kernel with each lane's first weights in registers), ``blocks``,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
