@@ -15,7 +15,8 @@
 // package used before session 7, 0 in column order (the probe's order before session 7);
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
 // and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
-// build (kernel_core.cuh gather_words), regw = 1 the register-weights build (kRegWeights). Prints the median us/step
+// build (kernel_core.cuh gather_words), regw = 1 the register-weights build (kRegWeights).
+// Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 // A second line splits the traced run by position: step periods in windows of the call, and

@@ -308,7 +308,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
     const long long warps = best.threads / 32, lanes_knob = env_int("SPRNN_CUDA_ROW_LANES", 0);
     const bool half = lanes_knob == 16 || (lanes_knob == 0 && rows > warps && rows <= 2 * warps);
-    const double per_lane = static_cast<double>(nnz) / std::max<long long>(1, gates * H) / (half ? 16 : 32);
+    const double per_lane =
+        static_cast<double>(nnz) / std::max<long long>(1, gates * H) / (half ? 16 : 32);
     best.reg_weights = knob >= 0 ? knob != 0 : per_lane > kRowTailDepth;
   }
   if (!best.on_chip && !any_on_chip) {
@@ -438,9 +439,12 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
 
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
   switch (cell) {
-    case Cell::kLstm: return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
-    case Cell::kGru: return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
-    default: return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+    case Cell::kLstm:
+      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+    case Cell::kGru:
+      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+    default:
+      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
   }
 }
 

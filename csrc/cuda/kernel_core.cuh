@@ -751,7 +751,8 @@ template <DType D, int BT, bool kWide, int kGroup, int kRegW>
 __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
-                                             int nrows, const typename Tr<D>::W (&wreg)[reg_slots(kRegW)],
+                                             int nrows,
+                                             const typename Tr<D>::W (&wreg)[reg_slots(kRegW)],
                                              float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
@@ -762,9 +763,9 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     const int r = base + lane / kGroup;
     const bool has_row = r < nrows;
     float acc[M::kNV];
+    const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
     row_dot<D, BT, kWide, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
-                                  has_row ? rows_s[r + 1] : 0, wreg,
-                                  base < (blockDim.x >> 5) * kRowsPerWarp, acc);
+                                         has_row ? rows_s[r + 1] : 0, wreg, first_pass, acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
       const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
@@ -1183,9 +1184,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (two_rows_per_warp)
-          compute_rows<D, BT, kWide, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
+          compute_rows<D, BT, kWide, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
+                                                acc_s);
         else
-          compute_rows<D, BT, kWide, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg, acc_s);
+          compute_rows<D, BT, kWide, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
+                                                acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
