@@ -81,6 +81,11 @@ def problem(cell, H, B, T, density, dtype, seed=0):
     return (jnp.asarray(kernel, dtype), mask, jnp.asarray(xp, dtype), jnp.asarray(h0, dtype))
 
 
+def initial_carry(cell, h0):
+    """The recurrence's carry from h0: (h0,), or (c0 = 0, h0) for the LSTM."""
+    return (h0 * 0, h0) if cell == "lstm" else (h0,)
+
+
 def dense_step(cell, act):
     def step(carry, x, w):
         h = carry[-1]
@@ -130,7 +135,7 @@ def method_kernel(cell, act, w, xp, carry, variant=None):
 def kernel_call(cell, act, H, B, T, density, dtype, variant=None):
     """The chained kernel call on a fresh problem (for the knob sweeps): (f, xp, c0)."""
     kernel, mask, xp, h0 = problem(cell, H, B, T, density, dtype)
-    carry = (h0 * 0, h0) if cell == "lstm" else (h0,)
+    carry = initial_carry(cell, h0)
     f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry,
                           variant)
     return f, xp, c0
@@ -190,7 +195,7 @@ def time_method(row, key, f, args, steps):
 
 def bench_config(cell, act, H, B, T, density, dtype, peers=True, variants=(None,)):
     kernel, mask, xp, h0 = problem(cell, H, B, T, density, dtype)
-    carry = (h0,) if cell == "rnn" else (h0 * 0, h0)
+    carry = initial_carry(cell, h0)
     row = dict(cell=cell, act=act, H=H, B=B, T=T, density=density, dtype=jnp.dtype(dtype).name)
     steps = K * T
     for v in variants:

@@ -31,6 +31,12 @@ long long env_int(const char* name, long long dflt) {
   return (end != nullptr && *end == '\0') ? x : dflt;
 }
 
+// SPRNN_CUDA_ROW_LANES (Params::row_lanes): lanes per row, 0 = the kernel's choice. Read by the
+// launch and by the planner, which must map rows as the kernel will.
+int row_lanes_knob() {
+  return static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
+}
+
 struct DeviceInfo {
   int sms = 0;
   int smem_optin = 0;  // bytes of shared memory one block may use
@@ -279,8 +285,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // layers in flight (LSTM H=1024, 31 rows per block: 2.99 at 512 vs 3.34 at 384). The kernel
   // is built for kPersistentThreads (512: 128 registers, kernel_core.cuh); SPRNN_CUDA_THREADS
   // may ask for fewer.
+  const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
   if (env_int("SPRNN_CUDA_THREADS", 0) == 0) {
-    const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
     best.threads = static_cast<int>(32 * std::clamp<long long>(rows + 3, 8, kPersistentThreads / 32));
   }
   best.threads = std::min(best.threads, kPersistentThreads);
@@ -305,9 +311,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   if (best.persistent && best.wide && best.lamport && best.bt == 4 && dtype != 0 &&
       !best.deep_gather) {
     const long long knob = env_int("SPRNN_CUDA_REG_WEIGHTS", -1);
-    const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
-    const long long warps = best.threads / 32, lanes_knob = env_int("SPRNN_CUDA_ROW_LANES", 0);
-    const bool half = lanes_knob == 16 || (lanes_knob == 0 && rows > warps && rows <= 2 * warps);
+    const bool half =
+        two_rows_per_warp(static_cast<int>(rows), best.threads / 32, row_lanes_knob());
     const double per_lane =
         static_cast<double>(nnz) / std::max<long long>(1, gates * H) / (half ? 16 : 32);
     best.reg_weights = knob >= 0 ? knob != 0 : per_lane > kRowTailDepth;
@@ -654,7 +659,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
   // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
-  p.row_lanes = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
+  p.row_lanes = row_lanes_knob();
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)

@@ -575,6 +575,15 @@ static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 constexpr int kRegWeights = 8;
 __host__ __device__ constexpr int reg_slots(int reg_w) { return reg_w > 0 ? reg_w : 1; }
 
+// persistent_fwd's row mapping for a block of `rows` rows and `warps` warps (Params::row_lanes:
+// 16 / 32 forces half / whole warps, 0 = this rule): half a warp per row where that turns two
+// passes over the rows into one (step probe, us/step whole vs half: LSTM H=1024 2.71 -> 2.54,
+// ReLU H=2304 30% 3.77 -> 3.63); with more rows (ReLU H=5760: 6.71 -> 7.29, LSTM H=4096: 11.75
+// -> 12.06) or fewer, whole warps. The planner uses it too (the register-weights rule).
+__host__ __device__ constexpr bool two_rows_per_warp(int rows, int warps, int row_lanes) {
+  return row_lanes == 16 || (row_lanes == 0 && rows > warps && rows <= 2 * warps);
+}
+
 // 32-bit words of h each thread has in flight in the gather: 32 (128 bytes), or twice that in
 // the deep-gather build of a tile (persistent_fwd's kDeepGather). A big layer's gather is bound
 // by these bytes in flight: 64 words (up to 128 registers, no spills) cut ReLU H=5760's gather
@@ -1033,18 +1042,13 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
 
   const int npairs = nu * BT;
-  // Half a warp per row where that turns two passes over the rows into one (step probe,
-  // us/step whole vs half: LSTM H=1024 2.71 -> 2.54, ReLU H=2304 30% 3.77 -> 3.63); with more
-  // rows (ReLU H=5760: 6.71 -> 7.29, LSTM H=4096: 11.75 -> 12.06) or fewer, whole warps.
-  const bool two_rows_per_warp =
-      p.row_lanes == 16 ||
-      (p.row_lanes == 0 && nu * G > (nthr >> 5) && nu * G <= 2 * (nthr >> 5));
+  const bool half_warps = two_rows_per_warp(nu * G, nthr >> 5, p.row_lanes);
   // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
   // round takes (the same lane, row and order as there; rows wholly on chip only).
   static_assert(kRegW == 0 || sizeof(W) == 4, "register weights: 16-bit words only");
   W wreg[reg_slots(kRegW)] = {};
   if constexpr (kRegW > 0) {
-    const int group = two_rows_per_warp ? 16 : 32;
+    const int group = half_warps ? 16 : 32;
     const int r = (tid >> 5) * (32 / group) + (tid & 31) / group;
     const int sl = ((tid & 31) % group) / kLPN, ns = group / kLPN;
     if (r < nu * G && rows_s[r + 1] <= n_in) {
@@ -1183,7 +1187,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
-        if (two_rows_per_warp)
+        if (half_warps)
           compute_rows<D, BT, kWide, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
                                                 acc_s);
         else
