@@ -56,11 +56,22 @@ def timeline(call, path):
     return [f"{t:9.1f} {s}" for t, s in sorted(rows)]
 
 
+def parse_knobs(spec):
+    """'label=VAR=VALUE,VAR2=VALUE2' (or a bare label: no knobs) -> (label, {VAR: VALUE})."""
+    label, _, rest = spec.partition("=")
+    knobs = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return label, knobs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--T", type=int, nargs="+", default=[1, 256, 1024])
+    ap.add_argument("--knobs", nargs="+", metavar="LABEL[=VAR=VALUE,...]",
+                    help="knob settings to trace in turn (default: the sync check on and off), "
+                    "e.g. on off=SPRNN_CUDA_SYNC_CHECK=0")
     a = ap.parse_args()
+    settings = bg.SYNC_CHECK_ON_OFF if not a.knobs else [parse_knobs(k) for k in a.knobs]
     os.makedirs(a.out, exist_ok=True)
     B, dt = 4, bg.jnp.float16
     res, lines = [], [f"# Device timeline of {bg.K} chained recurrences per call, B={B}, fp16",
@@ -76,7 +87,7 @@ def main():
         kern_med = {}
         for T in a.T:
             f, xp, c0 = bg.kernel_call(cell, act, H, B, T, density, dt)
-            for label, knobs in bg.SYNC_CHECK_ON_OFF:
+            for label, knobs in settings:
                 with bg.knobs_set(knobs):
                     walls, calls, path = traced_calls(f, (xp, c0))
                 kus = [e[2] / 1e3 for c in calls for e in c if kind_of(e[0]) == "kernel"]
@@ -87,23 +98,24 @@ def main():
                 gaps = [(b[1] - a_[1] - a_[2]) / 1e3 for c in calls for a_, b in zip(c, c[1:])]
                 spans = [call_times(c)["span"] for c in calls]
                 kern_med[(T, label)] = float(np.median(kus))
-                res.append(dict(layer=layer, T=T, sync_check=label, wall_us=walls,
+                res.append(dict(layer=layer, T=T, knobs=label, wall_us=walls,
                                 span_us=spans, kernel_us=kus, memset_us=mus, gaps_us=gaps))
-                say(f"- {layer} T={T} sync {label}: wall/call median {np.median(walls):.1f} us; "
+                say(f"- {layer} T={T} {label}: wall/call median {np.median(walls):.1f} us; "
                     f"device span {np.median(spans):.1f}; kernel median {np.median(kus):.2f} us "
                     f"({np.median(kus) / T:.3f} us/step); memset median {np.median(mus or [0]):.2f}; "
                     f"gaps median / max {np.median(gaps or [0]):.1f} / {max(gaps or [0]):.1f} us; "
                     f"ops of one call: {' '.join(f'{kind_of(e[0])}:{e[2] / 1e3:.1f}' for e in calls[-1])}")
                 if T == a.T[len(a.T) // 2]:
                     with open(os.path.join(a.out, "timelines.txt"), "a") as fh:
-                        fh.write(f"== {layer} T={T} sync {label}: host events and device ops of "
+                        fh.write(f"== {layer} T={T} {label}: host events and device ops of "
                                  "the last call (us from its first op - 300)\n")
                         fh.write("\n".join(timeline(calls[-1], path)[:300]) + "\n")
-        if len(a.T) > 1 and all(kern_med.get((T, "on")) for T in a.T[-2:]):
+        first = settings[0][0]
+        if len(a.T) > 1 and all(kern_med.get((T, first)) for T in a.T[-2:]):
             t1, t2 = a.T[-2:]
-            slope = (kern_med[(t2, "on")] - kern_med[(t1, "on")]) / (t2 - t1)
+            slope = (kern_med[(t2, first)] - kern_med[(t1, first)]) / (t2 - t1)
             say(f"- {layer}: kernel-only slope T={t1}->{t2} {slope:.3f} us/step, in-kernel "
-                f"fixed {kern_med[(t1, 'on')] - slope * t1:.1f} us")
+                f"fixed {kern_med[(t1, first)] - slope * t1:.1f} us")
     with open(os.path.join(a.out, "trace.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     with open(os.path.join(a.out, "trace.json"), "w") as fh:
