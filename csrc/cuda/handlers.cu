@@ -3,12 +3,8 @@
 // error reporting. Exposed to Python as the pybind11 module jax_sprnn._sprnn_cuda.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <algorithm>
-#include <array>
-#include <chrono>
-#include <vector>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -564,17 +560,6 @@ cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float*
   }
 }
 
-// ---- TEMPORARY host timing (session 14 measurement) ----
-struct HostTimes { std::array<double, 6> t{}; bool on = false; };
-thread_local HostTimes g_ht;
-std::mutex g_ht_mu;
-std::vector<std::array<double, 6>> g_ht_log;
-inline double now_us() {
-  return std::chrono::duration<double, std::micro>(
-      std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-#define HOST_MARK(i) do { if (g_ht.on) g_ht.t[i] = now_us(); } while (0)
-
 // ---- the handler --------------------------------------------------------------------------------
 
 int dtype_code(ffi::DataType t) {
@@ -613,8 +598,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
                    ffi::AnyBuffer* ys, ffi::AnyBuffer* hT, ffi::AnyBuffer* cT,
                    ffi::AnyBuffer* cs, ffi::AnyBuffer* ws, bool reverse, int64_t activation,
                    int64_t variant) {
-  g_ht.on = env_int("SPRNN_CUDA_HOST_TIMING", 0) != 0;
-  HOST_MARK(0);
   const int G = gates_of(cell);
   const int dtype = dtype_code(in.xp.element_type());
   auto xd = in.xp.dimensions();
@@ -680,10 +663,8 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.row_lanes = row_lanes_knob();
 
   // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
-  HOST_MARK(1);
   if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
     return cuda_error(target, "cudaMemsetAsync(workspace)", e);
-  HOST_MARK(2);
 
   bool launched = false;
   // The cluster plan, re-planned for a smaller cluster (or the grid plan) when this kernel
@@ -725,16 +706,11 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
       return cuda_error(target, "per-step fallback launch", e);
   }
 
-  HOST_MARK(3);
-  HOST_MARK(5);
   // Turn a timed-out wait into an error for the caller (sync_check.cuh).
   if (env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0) {
     int flag = 0;
-    if (cudaError_t e = sync_and_read_abort_flag(p.abort_flag, stream,
-                                                 env_int("SPRNN_CUDA_FLAG_COPY", 1) != 0, flag);
-        e != cudaSuccess)
+    if (cudaError_t e = sync_and_read_abort_flag(p.abort_flag, stream, flag); e != cudaSuccess)
       return cuda_error(target, "kernel execution or its abort-flag check", e);
-    HOST_MARK(5);
     if (flag != 0)
       return ffi::Error::Internal(
           std::string(target) +
@@ -747,10 +723,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
                      ": 2 = a block's units exceed the planned capacity, 3 = the cluster kernel "
                      "ran without sm_90 code). Outputs are invalid; pass variant=4 for the "
                      "per-step path."));
-  }
-  if (g_ht.on) {
-    std::lock_guard<std::mutex> lock(g_ht_mu);
-    g_ht_log.push_back(g_ht.t);
   }
   return ffi::Error::Success();
 }
@@ -922,12 +894,6 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("workspace_bytes", [](int gates, int dtype, long long H, long long B) {
     return sprnn::cuda::workspace_bytes(gates, dtype, H, B);
   }, py::arg("gates"), py::arg("dtype"), py::arg("hidden"), py::arg("batch"));
-  m.def("host_timings", []() {
-    std::lock_guard<std::mutex> lock(sprnn::cuda::g_ht_mu);
-    auto v = sprnn::cuda::g_ht_log;
-    sprnn::cuda::g_ht_log.clear();
-    return v;
-  });
   m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
         py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
         py::arg("smem_optin") = 0, py::arg("cc_major") = 0, py::arg("max_cluster") = 0,
