@@ -10,7 +10,7 @@ namespace sprnn::cuda {
 // one-thread kernel instead of cudaMemcpyAsync: after the persistent kernel the copy engine
 // started a 4-byte D2H copy ~8 us late, this kernel ~1 us after it (benchmarks/NOTES.md,
 // session 14).
-__global__ void copy_abort_flag(const int* flag, int* host_flag) {
+static __global__ void copy_abort_flag(const int* flag, int* host_flag) {
   *reinterpret_cast<volatile int*>(host_flag) = *reinterpret_cast<const volatile int*>(flag);
 }
 
