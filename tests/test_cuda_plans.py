@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_sprnn import _ffi
+from oracle import GATES
 
 pytestmark = pytest.mark.skipif(_ffi.cuda_module is None, reason="needs _sprnn_cuda (nvcc)")
 
@@ -18,7 +19,7 @@ H200 = dict(sms=132, smem_optin=232448, cc_major=9)
 
 def nnz_of(cell, H, density):
     """Nonzeros of a layer's (gates * H) x H recurrent matrix at this density."""
-    return int(density * {"rnn": 1, "lstm": 4, "gru": 3}[cell] * H * H)
+    return int(density * GATES[cell] * H * H)
 
 
 def test_batch_group_plans():

@@ -249,8 +249,8 @@ def test_reg_weights(cell, dtype, monkeypatch):
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     H, d = (2304, 0.3) if cell == "rnn" else (1024, 0.1)
-    gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
-    assert cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, int(d * gates * H * H))["reg_weights"]
+    nnz = int(d * oracle.GATES[cell] * H * H)
+    assert cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, nnz)["reg_weights"]
     check(cell, dtype, (3, 4, H, d, "skewed"), 3, 1)
     monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "1")
     for n, shape in enumerate(SHAPES + [(4, 3, 700, 0.6, "empty_rows"), (5, 4, 900, 0.4, "skewed")]):
@@ -313,8 +313,8 @@ def test_cluster_matches_oracle(cell, dtype):
     for shape in CLUSTER_SHAPES[2:]:
         check(cell, dtype, shape, 5, 1)  # ragged lengths with 0 and T, reverse
     # The sweep above ran the cluster kernel, not only variant 5's fallback to 3.
-    gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
-    info = cuda_lowering.plan(cell, dtype, 300, 4, int(0.2 * 300 * 300 * gates), variant=5)
+    info = cuda_lowering.plan(cell, dtype, 300, 4, int(0.2 * 300 * 300 * oracle.GATES[cell]),
+                              variant=5)
     assert info["variant"] == 5 and info["cluster"] > 0, info
 
 
