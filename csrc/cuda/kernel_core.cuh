@@ -584,6 +584,17 @@ __host__ __device__ constexpr bool two_rows_per_warp(int rows, int warps, int ro
   return row_lanes == 16 || (row_lanes == 0 && rows > warps && rows <= 2 * warps);
 }
 
+// A lane's place in that mapping, with `group` lanes per row: its row in its warp's first pass
+// over the block's rows (compute_rows' first r) and its slice of a row (row_dot: nonzeros
+// slice, slice + group / lpn, ...; lpn lanes share a nonzero). The register-weights prologue
+// uses both to load what row_dot will read.
+__device__ __forceinline__ int lane_first_row(int tid, int group) {
+  return (tid >> 5) * (32 / group) + (tid & 31) / group;
+}
+__device__ __forceinline__ int lane_row_slice(int lane, int group, int lpn) {
+  return (lane % group) / lpn;
+}
+
 // 32-bit words of h each thread has in flight in the gather: 32 (128 bytes), or twice that in
 // the deep-gather build of a tile (persistent_fwd's kDeepGather). A big layer's gather is bound
 // by these bytes in flight: 64 words (up to 128 registers, no spills) cut ReLU H=5760's gather
@@ -672,7 +683,7 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
   static_assert(kGroup == 32 || kGroup == 16, "whole or half warps");
   const int H = p.H;
   const int lane = threadIdx.x & 31;
-  const int sl = (lane % kGroup) / kLPN;
+  const int sl = lane_row_slice(lane, kGroup, kLPN);
   const int b0 = (lane % kLPN) * kNV;
 #pragma unroll
   for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
@@ -769,7 +780,7 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
   const int g = lane % kGroup;
   for (int base = (threadIdx.x >> 5) * kRowsPerWarp; base < nrows;
        base += (blockDim.x >> 5) * kRowsPerWarp) {  // the same trip count in the whole warp
-    const int r = base + lane / kGroup;
+    const int r = base + lane / kGroup;  // lane_first_row in the first pass
     const bool has_row = r < nrows;
     float acc[M::kNV];
     const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
@@ -1049,8 +1060,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   W wreg[reg_slots(kRegW)] = {};
   if constexpr (kRegW > 0) {
     const int group = half_warps ? 16 : 32;
-    const int r = (tid >> 5) * (32 / group) + (tid & 31) / group;
-    const int sl = ((tid & 31) % group) / kLPN, ns = group / kLPN;
+    const int r = lane_first_row(tid, group);
+    const int sl = lane_row_slice(tid & 31, group, kLPN), ns = group / kLPN;
     if (r < nu * G && rows_s[r + 1] <= n_in) {
 #pragma unroll
       for (int q = 0; q < kRegW; ++q) {
