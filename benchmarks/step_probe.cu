@@ -176,13 +176,14 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   const long long total = nnz + static_cast<long long>(p.alpha) * H;
   p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
   const long long avail = smem_optin - 256;
-  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, 4);
-  p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / 4, 1LL << 30));
+  constexpr int kWBytes = static_cast<int>(sizeof(Tr<DType::kF16>::W));
+  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, kWBytes);
+  p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / kWBytes, 1LL << 30));
   // wcap_pct > 0: room for that percentage of a block's average nonzeros only, and the shared
   // memory carve-out no larger than needed, so the rest of the SM's 256 KB is L1 (where the
   // 1024-thread build's register spills can stay).
   if (c.wcap_pct > 0) p.w_cap = static_cast<int>(std::min<long long>(p.w_cap, nnz / nb * c.wcap_pct / 100));
-  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, 4).total;
+  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, kWBytes).total;
   p.timeout_ns = 5000000000LL;
   p.col_filter = c.filter;
   p.spin_ns = c.spin_ns;

@@ -139,7 +139,11 @@ template <DType D>
 struct Tr16 {
   using S = uint16_t;
   using X = uint32_t;  // tag << 16 | value bits
+#ifdef SPRNN_F32_WORDS
+  using W = uint2;  // (float32 value bits, column): no unpacking per nonzero in row_dot
+#else
   using W = uint32_t;  // column << 16 | value bits
+#endif
   __device__ static float bits_to_f(uint32_t b) {
     if constexpr (D == DType::kBF16) {
       return __uint_as_float(b << 16);
@@ -160,6 +164,15 @@ struct Tr16 {
   __device__ static X make_x(uint32_t bits, uint32_t tag) { return (tag << 16) | (bits & 0xffffu); }
   __device__ static bool x_ok(X w, uint32_t tag) { return (w >> 16) == tag; }
   __device__ static uint32_t x_bits(X w) { return w & 0xffffu; }
+#ifdef SPRNN_F32_WORDS
+  __device__ static W make_w(float v, int col) {
+    return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col));
+  }
+  __device__ static void unpack_w(W w, float& v, int& col) {
+    v = __uint_as_float(w.x);
+    col = static_cast<int>(w.y);
+  }
+#else
   __device__ static W make_w(float v, int col) {
     return (static_cast<uint32_t>(col) << 16) | f_to_bits(v);
   }
@@ -167,6 +180,7 @@ struct Tr16 {
     v = bits_to_f(w & 0xffffu);
     col = static_cast<int>(w >> 16);
   }
+#endif
 };
 template <>
 struct Tr<DType::kBF16> : Tr16<DType::kBF16> {};
@@ -529,11 +543,11 @@ __device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps,
 // Copies nonzeros [kb0, kb0 + n_in) into shared memory as packed (value, column) words.
 template <DType D>
 __device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
-                                             typename Tr<D>::W* w_s) {
+                                             typename Tr<D>::W* w_s, int col_scale = 1) {
   using T = Tr<D>;
   const typename T::S* vals = static_cast<const typename T::S*>(p.values);
   for (long long k = threadIdx.x; k < n_in; k += blockDim.x)
-    w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k));
+    w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k) * col_scale);
 }
 
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
@@ -634,6 +648,14 @@ __device__ __forceinline__ void dot_words(const typename Tr<D>::W (&wq)[kDepth],
   float v[kDepth], hv[kDepth][kNV];
 #pragma unroll
   for (int q = 0; q < kDepth; ++q) {
+#ifdef SPRNN_F32_WORDS
+    if constexpr (kWide && sizeof(typename T::S) == 2) {  // the column as a byte offset
+      v[q] = __uint_as_float(wq[q].x);
+      load_vals<D, kNV>(reinterpret_cast<const typename T::S*>(
+                            reinterpret_cast<const char*>(h_s) + wq[q].y) + b0, hv[q]);
+      continue;
+    }
+#endif
     int col;
     T::unpack_w(wq[q], v[q], col);
     gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
@@ -1042,7 +1064,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
+#ifdef SPRNN_F32_WORDS
+  load_weights<D>(p, kb0, n_in, w_s, kWide && sizeof(S) == 2 ? BT * 2 : 1);
+#else
   load_weights<D>(p, kb0, n_in, w_s);
+#endif
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
@@ -1056,7 +1082,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool half_warps = two_rows_per_warp(nu * G, nthr >> 5, p.row_lanes);
   // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
   // round takes (the same lane, row and order as there; rows wholly on chip only).
+#ifndef SPRNN_F32_WORDS
   static_assert(kRegW == 0 || sizeof(W) == 4, "register weights: 16-bit words only");
+#endif
   W wreg[reg_slots(kRegW)] = {};
   if constexpr (kRegW > 0) {
     const int group = half_warps ? 16 : 32;
