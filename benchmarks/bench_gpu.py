@@ -16,8 +16,9 @@ the span of a call's device operations and our kernel's own duration, per step.
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
 and float16 (the planner turns it on for 16-bit H > 4096 at 512 threads; for float32 only when
 forced, since session 9).
---reg: the register-weights build off / on (SPRNN_CUDA_REG_WEIGHTS), wall and kernel time, on
-layers whose lanes have more or fewer than 4 nonzeros per row.
+--reg: the register-weights build off / on with 4-byte words / on with float words where they
+fit (SPRNN_CUDA_REG_WEIGHTS, SPRNN_CUDA_FLOAT_WORDS), wall and kernel time, on layers whose
+lanes have more or fewer than 4 nonzeros per row.
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -508,9 +509,12 @@ def main():
                 save()
     if args.reg:
         from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
-        lines += ["", "## Register weights off / on (B=4; us/step wall, then kernel only; "
-                  "`plan` = the default's choice)", "",
-                  "| layer | plan | off | on |", "|---|---|---|---|"]
+        settings = {"off": {"SPRNN_CUDA_REG_WEIGHTS": "0"},
+                    "on": {"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": "0"},
+                    "float": {"SPRNN_CUDA_REG_WEIGHTS": "1"}}
+        lines += ["", "## Register weights off / on / on with float words where they fit (B=4; "
+                  "us/step wall, then kernel only; `plan` = the default's choice)", "",
+                  "| layer | plan | off | on | float |", "|---|---|---|---|---|"]
         for cell, act, H, d, dt in [("rnn", "relu", 1152, 0.1, jnp.float16),
                                     ("rnn", "relu", 1024, 0.1, jnp.float16),
                                     ("rnn", "relu", 2304, 0.3, jnp.float16),
@@ -519,17 +523,18 @@ def main():
                                     ("gru", None, 1024, 0.1, jnp.float16),
                                     ("lstm", None, 4096, 0.1, jnp.float16)]:
             f, xp, c0 = kernel_call(cell, act, H, 4, T, d, dt)
+            info = cuda_lowering.plan(cell, dt, H, 4, int(d * GATES[cell] * H * H))
             row = dict(cell=cell, H=H, density=d, dtype=jnp.dtype(dt).name, sweep="reg",
-                       plan_reg=cuda_lowering.plan(
-                           cell, dt, H, 4, int(d * GATES[cell] * H * H))["reg_weights"])
-            for name in ("off", "on"):
-                with knobs_set({"SPRNN_CUDA_REG_WEIGHTS": "1" if name == "on" else "0"}):
+                       plan_reg=("float" if info["float_words"] else "on") if info["reg_weights"]
+                       else "off")
+            for name, knobs in settings.items():
+                with knobs_set(knobs):
                     time_method(row, "reg_" + name, f, (xp, c0), K * T)
             print(json.dumps(row), flush=True)
             res.setdefault("reg", []).append(row)
             lines.append(f"| {cell} H={H} d={d:.0%} {row['dtype']} | {row['plan_reg']} | "
                          + " | ".join(f"{fmt(row['reg_' + n])} / {fmt(row['reg_' + n + '_kernel'])}"
-                                      for n in ("off", "on")) + " |")
+                                      for n in settings) + " |")
             save()
     if args.groups:
         # Batch groups (SPRNN_CUDA_GROUPS=n: n tiles of about B / n run at once, each on its own

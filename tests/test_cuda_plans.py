@@ -105,3 +105,36 @@ def test_reg_weights_plans(monkeypatch):
     assert not reg("rnn", jnp.float32, 1152)[0]
     monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
     assert not reg("rnn", jnp.float16, 1152)[0]
+
+
+def test_float_words_plans(monkeypatch):
+    def plan(cell, dtype, H, B=4, d=0.1):
+        return cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+
+    # The register build's float words (8 bytes per nonzero) where the layer stays on chip.
+    for cell, H, d in [("lstm", 1024, 0.1), ("gru", 1024, 0.1), ("rnn", 2304, 0.3)]:
+        for dtype in (jnp.float16, jnp.bfloat16):
+            info = plan(cell, dtype, H, d=d)
+            assert info["reg_weights"] and info["float_words"] and info["on_chip"], info
+            assert info["smem_bytes"] <= H200["smem_optin"], info
+            monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "0")
+            packed = plan(cell, dtype, H, d=d)
+            monkeypatch.delenv("SPRNN_CUDA_FLOAT_WORDS")
+            assert packed["reg_weights"] and not packed["float_words"], packed
+            # Half as many 8-byte words as 4-byte ones fit in the same bytes (minus alignment).
+            cap, cap4 = info["nnz_per_block_capacity"], packed["nnz_per_block_capacity"]
+            assert abs(2 * cap - cap4) <= 4, (cap, cap4)
+    # Two batch groups on 66 blocks each (register build, half warps): still on chip.
+    info = plan("rnn", jnp.float16, 1152, B=8)
+    assert info["float_words"] and info["groups"] == 2 and info["blocks"] == 132, info
+    # LSTM H=4096 fills shared memory with 4-byte words: no float words.
+    info = plan("lstm", jnp.float16, 4096)
+    assert info["reg_weights"] and not info["float_words"], info
+    for args in [("rnn", jnp.float16, 1152), ("lstm", jnp.float32, 1024),
+                 ("rnn", jnp.float16, 5760), ("lstm", jnp.float16, 1024, 1)]:
+        assert not plan(*args)["float_words"], args  # no register build
+    monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1")  # forced: even where nonzeros spill
+    info = plan("lstm", jnp.float16, 4096)
+    assert info["float_words"] and not info["on_chip"], info
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "0")
+    assert not plan("lstm", jnp.float16, 1024)["float_words"]

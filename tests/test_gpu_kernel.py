@@ -239,19 +239,30 @@ def test_deep_gather(cell, dtype, monkeypatch):
     check(cell, dtype, (4, 4, 2304, 0.05, "uniform"), 3, 2)
 
 
+@pytest.mark.parametrize("words", ["packed", "float"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cell", CELLS)
-def test_reg_weights(cell, dtype, monkeypatch):
+def test_reg_weights(cell, dtype, words, monkeypatch):
     # The tile-4 build with each lane's first weights in registers (kernel_core.cuh
-    # kRegWeights): the default plan where it is picked, then forced on every shape (other
-    # tiles ignore it) and on rows longer than the register round (shared-memory rounds after
-    # it), skewed and with empty rows, whole and half warps per row.
+    # kRegWeights), with 4-byte packed or 8-byte float words (RowWord): the default plan where
+    # it is picked, then forced on every shape (other tiles ignore it) and on rows longer than
+    # the register round (shared-memory rounds after it), skewed and with empty rows, whole and
+    # half warps per row; float words also where they push nonzeros out to L2.
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
+    def plan(H, d):
+        return cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, int(d * oracle.GATES[cell] * H * H))
+
+    monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1" if words == "float" else "0")
     H, d = (2304, 0.3) if cell == "rnn" else (1024, 0.1)
-    nnz = int(d * oracle.GATES[cell] * H * H)
-    assert cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, nnz)["reg_weights"]
+    info = plan(H, d)
+    assert info["reg_weights"] and info["float_words"] == (words == "float"), info
     check(cell, dtype, (3, 4, H, d, "skewed"), 3, 1)
+    if words == "float":
+        d = 0.2 if cell == "rnn" else 0.1
+        info = plan(4096, d)
+        assert info["float_words"] and not info["on_chip"], info
+        check(cell, dtype, (3, 4, 4096, d, "uniform"), 3, 2)
     monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "1")
     for n, shape in enumerate(SHAPES + [(4, 3, 700, 0.6, "empty_rows"), (5, 4, 900, 0.4, "skewed")]):
         check(cell, dtype, shape, 3, n)

@@ -51,10 +51,11 @@ def instantiations():
                          f"sprnn::cuda::DType::{dt}, 4, false>")
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, 4, true, true>")  # the deep gather
-            if dt != "kF32":  # register weights (launch.cuh: 16-bit only)
-                names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                             f"sprnn::cuda::DType::{dt}, 4, true, false, "
-                             f"sprnn::cuda::kRegWeights>")
+            if dt != "kF32":  # register weights, 4-byte or float words (launch.cuh: 16-bit)
+                for words in ("false", "true"):
+                    names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                                 f"sprnn::cuda::DType::{dt}, 4, true, false, "
+                                 f"sprnn::cuda::kRegWeights, {words}>")
             for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
                 names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
                              f"sprnn::cuda::DType::{dt}, {bt}>")

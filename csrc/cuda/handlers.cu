@@ -88,13 +88,15 @@ struct Plan {
   int groups = 1;   // > 1: batch groups (Params::groups), nb / groups blocks per tile
   bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
   bool reg_weights = false;  // the tile-4 build with each lane's first weights in registers
+  bool float_words = false;  // its shared-memory nonzeros as 8-byte float words (RowWord)
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
 };
 
 int s_bytes_of(int dtype) { return dtype == 0 ? 4 : 2; }
-int w_bytes_of(int dtype) { return dtype == 0 ? 8 : 4; }
+// Bytes of a nonzero in shared memory (kernel_core.cuh RowWord).
+int w_bytes_of(int dtype, bool float_words = false) { return dtype == 0 || float_words ? 8 : 4; }
 int x_bytes_of(int dtype) { return dtype == 0 ? 8 : 4; }
 long long round_up(long long x, long long m) { return (x + m - 1) / m * m; }
 
@@ -139,17 +141,18 @@ void partition_units(long long H, long long nnz, int parts, Plan& pl) {
 // false when the h tile, state and row offsets leave no room for weights.
 bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, long long avail) {
   const bool lstm = gates == 4;
+  const int w_bytes = w_bytes_of(dtype, c.float_words);
   const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap, 0,
-                                    s_bytes_of(dtype), w_bytes_of(dtype));
+                                    s_bytes_of(dtype), w_bytes);
   // The weight region must hold the row offsets of the largest possible block.
   const long long rows_bytes = align16((static_cast<long long>(c.u_cap) * gates + 1) * 4);
   if (l0.total + rows_bytes > avail) return false;
   c.bt = bt;
   c.ntiles = ntiles;
-  c.w_cap = std::min<long long>((avail - l0.total) / w_bytes_of(dtype), 1LL << 30);
+  c.w_cap = std::min<long long>((avail - l0.total) / w_bytes, 1LL << 30);
   c.on_chip = c.w_cap >= c.w_need;
   c.smem = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap,
-                       static_cast<int>(c.w_cap), s_bytes_of(dtype), w_bytes_of(dtype)).total;
+                       static_cast<int>(c.w_cap), s_bytes_of(dtype), w_bytes).total;
   c.persistent = true;
   return true;
 }
@@ -161,7 +164,8 @@ void partition_blocks(int gates, int dtype, long long H, long long nnz, int nb, 
   pl.nb = nb;
   partition_units(H, nnz, nb, pl);
   const long long avg_rows = (gates * H + nb - 1) / nb + 1;
-  pl.w_need += (align16(avg_rows * 4) + w_bytes_of(dtype) - 1) / w_bytes_of(dtype);
+  const int w_bytes = w_bytes_of(dtype, pl.float_words);
+  pl.w_need += (align16(avg_rows * 4) + w_bytes - 1) / w_bytes;
 }
 
 // Batch groups: `groups` tiles of the batch run at once, each on its own nb / groups blocks that
@@ -318,6 +322,22 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
         static_cast<double>(nnz) / std::max<long long>(1, gates * H) / (half ? 16 : 32);
     best.reg_weights = knob >= 0 ? knob != 0 : per_lane > kRowTailDepth;
   }
+  // Float words (kernel_core.cuh RowWord: 8 bytes per nonzero, no unpacking in the rows) with
+  // the register build, where the whole layer stays on chip with them. Step probe, fp16, B=4,
+  // us/step: ReLU H=2304 30% 3.22 -> 3.12, LSTM H=1024 2.08 -> 2.03; LSTM H=4096 would no
+  // longer fit (benchmarks/NOTES.md, session 15). SPRNN_CUDA_FLOAT_WORDS=0 turns them off, 1
+  // forces them on beside the register weights even where nonzeros then spill to L2 (tests).
+  if (best.reg_weights) {
+    const long long knob = env_int("SPRNN_CUDA_FLOAT_WORDS", -1);
+    Plan c = best;
+    c.float_words = true;
+    partition_blocks(gates, dtype, H, nnz, best.nb / best.groups, c);
+    if (knob != 0 && fit_tile(c, best.bt, best.ntiles, gates, dtype, H, avail) &&
+        (c.on_chip || knob == 1)) {
+      c.nb = best.nb;
+      best = c;
+    }
+  }
   if (!best.on_chip && !any_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
@@ -446,11 +466,14 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
   switch (cell) {
     case Cell::kLstm:
-      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
+                                 pl.float_words);
     case Cell::kGru:
-      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
+                                 pl.float_words);
     default:
-      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights);
+      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
+                                 pl.float_words);
   }
 }
 
@@ -865,6 +888,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["groups"] = pl.groups;
   r["deep_gather"] = pl.deep_gather;
   r["reg_weights"] = pl.reg_weights;
+  r["float_words"] = pl.float_words;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
   r["units_cap"] = pl.u_cap;

@@ -139,11 +139,7 @@ template <DType D>
 struct Tr16 {
   using S = uint16_t;
   using X = uint32_t;  // tag << 16 | value bits
-#ifdef SPRNN_F32_WORDS
-  using W = uint2;  // (float32 value bits, column): no unpacking per nonzero in row_dot
-#else
   using W = uint32_t;  // column << 16 | value bits
-#endif
   __device__ static float bits_to_f(uint32_t b) {
     if constexpr (D == DType::kBF16) {
       return __uint_as_float(b << 16);
@@ -164,15 +160,6 @@ struct Tr16 {
   __device__ static X make_x(uint32_t bits, uint32_t tag) { return (tag << 16) | (bits & 0xffffu); }
   __device__ static bool x_ok(X w, uint32_t tag) { return (w >> 16) == tag; }
   __device__ static uint32_t x_bits(X w) { return w & 0xffffu; }
-#ifdef SPRNN_F32_WORDS
-  __device__ static W make_w(float v, int col) {
-    return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col));
-  }
-  __device__ static void unpack_w(W w, float& v, int& col) {
-    v = __uint_as_float(w.x);
-    col = static_cast<int>(w.y);
-  }
-#else
   __device__ static W make_w(float v, int col) {
     return (static_cast<uint32_t>(col) << 16) | f_to_bits(v);
   }
@@ -180,12 +167,34 @@ struct Tr16 {
     v = bits_to_f(w & 0xffffu);
     col = static_cast<int>(w >> 16);
   }
-#endif
 };
 template <>
 struct Tr<DType::kBF16> : Tr16<DType::kBF16> {};
 template <>
 struct Tr<DType::kF16> : Tr16<DType::kF16> {};
+
+// A nonzero as persistent_fwd keeps it in shared memory. Default: Tr<D>::W, (value, column) in
+// 4 bytes for the 16-bit types. Float words (kFloatWords, 16-bit wide tiles): the value as
+// float32 bits and the byte offset of its unit's h values in the tile, 8 bytes, so that row_dot
+// spends no instruction on unpacking: 10 instead of 13 per nonzero and lane at tile 4 fp16
+// (sm_90 SASS), for twice the shared memory per nonzero. Step probe, fp16, B=4, us/step
+// (register build, 4-byte / float words): ReLU H=2304 30% 3.22 -> 3.12, LSTM H=1024 2.08 ->
+// 2.03; whole warps of short rows lose (ReLU H=1152 1.76 -> 1.79: twice the weight wavefronts
+// for no saved round), so the planner takes them with the register build only, where all
+// nonzeros fit (benchmarks/NOTES.md, session 15).
+template <DType D, bool kFloatWords>
+struct RowWord {
+  using W = typename Tr<D>::W;
+  __device__ static W make(float v, int col, int /*unit_bytes*/) { return Tr<D>::make_w(v, col); }
+};
+template <DType D>
+struct RowWord<D, true> {
+  static_assert(D != DType::kF32, "float words are for 16-bit weights");
+  using W = uint2;
+  __device__ static W make(float v, int col, int unit_bytes) {
+    return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col * unit_bytes));
+  }
+};
 
 // ---- memory helpers -------------------------------------------------------------------------
 
@@ -540,14 +549,17 @@ __device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps,
   for (int g = 0; g < G; ++g) x[g] = xq[static_cast<long long>(g) * p.H];
 }
 
-// Copies nonzeros [kb0, kb0 + n_in) into shared memory as packed (value, column) words.
-template <DType D>
+// Copies nonzeros [kb0, kb0 + n_in) into shared memory as RowWord words (unit_bytes: the bytes
+// of one unit's h values in the tile, for float words).
+template <DType D, bool kFloatWords = false>
 __device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
-                                             typename Tr<D>::W* w_s, int col_scale = 1) {
+                                             typename RowWord<D, kFloatWords>::W* w_s,
+                                             int unit_bytes = 0) {
   using T = Tr<D>;
   const typename T::S* vals = static_cast<const typename T::S*>(p.values);
   for (long long k = threadIdx.x; k < n_in; k += blockDim.x)
-    w_s[k] = T::make_w(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k) * col_scale);
+    w_s[k] = RowWord<D, kFloatWords>::make(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k),
+                                           unit_bytes);
 }
 
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
@@ -580,8 +592,8 @@ static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 // Register weights (persistent_fwd's kRegW > 0): each lane keeps the weight words of its first
 // kRegW nonzeros of the first row it sums in registers, loaded once, so that round of row_dot
 // reads no weights from shared memory (a third of its shared-memory wavefronts, and one
-// dependent load less before the gathers). 16-bit weights only (one 32-bit word each; a
-// float32 word is 64 bits and its kernel has no registers to spare). Step probe, fp16, B=4,
+// dependent load less before the gathers). 16-bit weights only (the float32 kernel, whose
+// gathers are twice as wide, has no registers to spare); 4-byte or float words. Step probe, fp16, B=4,
 // us/step without / with 8 (benchmarks/NOTES.md, session 13): LSTM H=1024 2.21 -> 2.09, ReLU
 // H=2304 30% 3.35 -> 3.21; lanes with at most kRowTailDepth nonzeros per row gain nothing
 // (ReLU H=1152 1.83 -> 1.82) or lose (ReLU H=1024 1.68 -> 1.73: the round gathers 8 words
@@ -638,8 +650,8 @@ struct RowMap {
 
 // The FMAs of kDepth weight words wq of this lane (only those with on[q]: 0 * inf would be NaN):
 // all gathers first, then the FMAs into acc.
-template <DType D, int BT, bool kWide, int kDepth>
-__device__ __forceinline__ void dot_words(const typename Tr<D>::W (&wq)[kDepth],
+template <DType D, int BT, bool kWide, bool kFW, int kDepth>
+__device__ __forceinline__ void dot_words(const typename RowWord<D, kFW>::W (&wq)[kDepth],
                                           const bool (&on)[kDepth], const typename Tr<D>::S* h_s,
                                           int H, int b0,
                                           float (&acc)[RowMap<D, BT, kWide>::kNV]) {
@@ -648,17 +660,16 @@ __device__ __forceinline__ void dot_words(const typename Tr<D>::W (&wq)[kDepth],
   float v[kDepth], hv[kDepth][kNV];
 #pragma unroll
   for (int q = 0; q < kDepth; ++q) {
-#ifdef SPRNN_F32_WORDS
-    if constexpr (kWide && sizeof(typename T::S) == 2) {  // the column as a byte offset
+    if constexpr (kFW) {
+      static_assert(kWide, "float words address the wide tile");
       v[q] = __uint_as_float(wq[q].x);
       load_vals<D, kNV>(reinterpret_cast<const typename T::S*>(
                             reinterpret_cast<const char*>(h_s) + wq[q].y) + b0, hv[q]);
-      continue;
+    } else {
+      int col;
+      T::unpack_w(wq[q], v[q], col);
+      gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
     }
-#endif
-    int col;
-    T::unpack_w(wq[q], v[q], col);
-    gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
   }
 #pragma unroll
   for (int q = 0; q < kDepth; ++q)
@@ -668,18 +679,19 @@ __device__ __forceinline__ void dot_words(const typename Tr<D>::W (&wq)[kDepth],
 
 // One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
 // kPredicated, only those below k1), all weight loads first, then dot_words.
-template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated>
-__device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
+template <DType D, int BT, bool kWide, bool kFW, int kNS, int kDepth, bool kPredicated>
+__device__ __forceinline__ void dot_round(const typename RowWord<D, kFW>::W* w_s,
                                           const typename Tr<D>::S* h_s, int H, int k, int k1,
                                           int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
-  typename Tr<D>::W wq[kDepth];
+  using W = typename RowWord<D, kFW>::W;
+  W wq[kDepth];
   bool on[kDepth];
 #pragma unroll
   for (int q = 0; q < kDepth; ++q) {
     on[q] = !kPredicated || k + kNS * q < k1;
-    wq[q] = on[q] ? w_s[k + kNS * q] : typename Tr<D>::W{};
+    wq[q] = on[q] ? w_s[k + kNS * q] : W{};
   }
-  dot_words<D, BT, kWide, kDepth>(wq, on, h_s, H, b0, acc);
+  dot_words<D, BT, kWide, kFW, kDepth>(wq, on, h_s, H, b0, acc);
 }
 
 // Step 2 for one row, by a group of kGroup lanes (a whole warp, or half of one: see
@@ -691,11 +703,11 @@ __device__ __forceinline__ void dot_round(const typename Tr<D>::W* w_s,
 // float32: acc holds this lane's partial sums (compute_rows sums the slices). A group without a
 // row passes k0 = k1 = 0. With kLPN = 1 and whole warps a row's k-th nonzero goes to lane
 // k % 32, which is what the bank-aware packing order assumes.
-template <DType D, int BT, bool kWide, int kGroup, int kRegW>
-__device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W* w_s,
+template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
+__device__ __forceinline__ void row_dot(const Params& p, const typename RowWord<D, kFW>::W* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
-                                        const typename Tr<D>::W (&wreg)[reg_slots(kRegW)],
+                                        const typename RowWord<D, kFW>::W (&wreg)[reg_slots(kRegW)],
                                         bool use_reg,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
@@ -722,16 +734,16 @@ __device__ __forceinline__ void row_dot(const Params& p, const typename Tr<D>::W
         bool on[kRegW];
 #pragma unroll
         for (int q = 0; q < kRegW; ++q) on[q] = k0 + sl + kNS * q < k1;
-        dot_words<D, BT, kWide, kRegW>(wreg, on, h_s, H, b0, acc);
+        dot_words<D, BT, kWide, kFW, kRegW>(wreg, on, h_s, H, b0, acc);
         kr = k0 + kRegW * kNS;
       }
     }
     for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
-      dot_round<D, BT, kWide, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kFW, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
     if (k1 - kr > kRowTailDepth * kNS) {
-      dot_round<D, BT, kWide, kNS, kRowDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kFW, kNS, kRowDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
     } else if (kr < k1) {
-      dot_round<D, BT, kWide, kNS, kRowTailDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kFW, kNS, kRowTailDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
     }
   } else {
     const S* vals = static_cast<const S*>(p.values) + kb0;
@@ -789,12 +801,13 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
-template <DType D, int BT, bool kWide, int kGroup, int kRegW>
-__device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<D>::W* w_s,
+template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
+__device__ __forceinline__ void compute_rows(const Params& p,
+                                             const typename RowWord<D, kFW>::W* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows,
-                                             const typename Tr<D>::W (&wreg)[reg_slots(kRegW)],
+                                             const typename RowWord<D, kFW>::W (&wreg)[reg_slots(kRegW)],
                                              float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
@@ -806,7 +819,7 @@ __device__ __forceinline__ void compute_rows(const Params& p, const typename Tr<
     const bool has_row = r < nrows;
     float acc[M::kNV];
     const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
-    row_dot<D, BT, kWide, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
+    row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
                                          has_row ? rows_s[r + 1] : 0, wreg, first_pass, acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
@@ -973,13 +986,15 @@ constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 // threads with up to 128 registers, smaller tiles 1024.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
-// kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru.
-template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0>
+// kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru. kDeepGather, kRegW and
+// kFloatWords select the builds of gather_words, kRegWeights and RowWord.
+template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0,
+          bool kFloatWords = false>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
   using X = typename T::X;
-  using W = typename T::W;
+  using W = typename RowWord<D, kFloatWords>::W;
   constexpr int G = gates_of(kCell);
   constexpr bool kLstmCell = kCell == Cell::kLstm;
   // Gathers move h in chunks of at most 32 bytes per thread: kCW tagged words (Lamport) or
@@ -1064,11 +1079,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-#ifdef SPRNN_F32_WORDS
-  load_weights<D>(p, kb0, n_in, w_s, kWide && sizeof(S) == 2 ? BT * 2 : 1);
-#else
-  load_weights<D>(p, kb0, n_in, w_s);
-#endif
+  load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
@@ -1082,9 +1093,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   const bool half_warps = two_rows_per_warp(nu * G, nthr >> 5, p.row_lanes);
   // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
   // round takes (the same lane, row and order as there; rows wholly on chip only).
-#ifndef SPRNN_F32_WORDS
-  static_assert(kRegW == 0 || sizeof(W) == 4, "register weights: 16-bit words only");
-#endif
+  static_assert(kRegW == 0 || D != DType::kF32, "register weights: 16-bit weights only");
   W wreg[reg_slots(kRegW)] = {};
   if constexpr (kRegW > 0) {
     const int group = half_warps ? 16 : 32;
@@ -1227,10 +1236,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (half_warps)
-          compute_rows<D, BT, kWide, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
+          compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
                                                 acc_s);
         else
-          compute_rows<D, BT, kWide, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
+          compute_rows<D, BT, kWide, kFloatWords, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
                                                 acc_s);
       }
       __syncthreads();

@@ -28,10 +28,11 @@ auto by_dtype(int dtype, F&& f) {
 // (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
 // kernel_core.cuh). The naive layout (variant 0) is built for BT = 4 only. The planner
 // (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
-// h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types)
-// exist for the wide tile 4 only: `deep` and `reg` elsewhere are ignored (deep wins).
+// h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types, with
+// 4-byte or float words: RowWord) exist for the wide tile 4 only: `deep`, `reg` and `fw`
+// elsewhere are ignored (deep wins; float words only beside the register weights).
 template <Cell C, DType D>
-KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg) {
+KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
   switch (bt) {
     case 1: return &persistent_fwd<C, D, 1, true>;
@@ -39,6 +40,7 @@ KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg) {
     case 4:
       if (deep) return &persistent_fwd<C, D, 4, true, true>;
       if constexpr (D != DType::kF32) {
+        if (reg && fw) return &persistent_fwd<C, D, 4, true, false, kRegWeights, true>;
         if (reg) return &persistent_fwd<C, D, 4, true, false, kRegWeights>;
       }
       return &persistent_fwd<C, D, 4, true>;
@@ -82,7 +84,8 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
 
 // Per-cell entry points (one translation unit each: SPRNN_DEFINE_CELL_ENTRY there).
 #define SPRNN_CELL_ENTRY(name)                                                            \
-  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg);     \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,      \
+                                  bool fw);                                               \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
                                cudaStream_t s);
@@ -93,9 +96,10 @@ SPRNN_CELL_ENTRY(gru)
 
 // The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
 #define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
-  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg) {   \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,    \
+                                  bool fw) {                                             \
     return by_dtype(dtype, [&](auto d) {                                                 \
-      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg);              \
+      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, fw);          \
     });                                                                                  \
   }                                                                                      \
   KernelFn pick_cluster_##name(int dtype, int bt) {                                      \
