@@ -94,8 +94,8 @@ if [ "$MODE" = verify ]; then
   REPO="$(pwd)"
   parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
          "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
-         "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and packed"
-         "test_reg_weights and float"
+         "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and packed_words"
+         "test_reg_weights and float_words"
          "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster or test_reg_weights)")
   for i in "${!parts[@]}"; do
     (cd /tmp && timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider \

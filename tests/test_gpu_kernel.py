@@ -239,7 +239,7 @@ def test_deep_gather(cell, dtype, monkeypatch):
     check(cell, dtype, (4, 4, 2304, 0.05, "uniform"), 3, 2)
 
 
-@pytest.mark.parametrize("words", ["packed", "float"])
+@pytest.mark.parametrize("words", ["packed_words", "float_words"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cell", CELLS)
 def test_reg_weights(cell, dtype, words, monkeypatch):
@@ -253,12 +253,12 @@ def test_reg_weights(cell, dtype, words, monkeypatch):
     def plan(H, d):
         return cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, int(d * oracle.GATES[cell] * H * H))
 
-    monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1" if words == "float" else "0")
+    monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1" if words == "float_words" else "0")
     H, d = (2304, 0.3) if cell == "rnn" else (1024, 0.1)
     info = plan(H, d)
-    assert info["reg_weights"] and info["float_words"] == (words == "float"), info
+    assert info["reg_weights"] and info["float_words"] == (words == "float_words"), info
     check(cell, dtype, (3, 4, H, d, "skewed"), 3, 1)
-    if words == "float":
+    if words == "float_words":
         d = 0.2 if cell == "rnn" else 0.1
         info = plan(4096, d)
         assert info["float_words"] and not info["on_chip"], info
