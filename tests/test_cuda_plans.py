@@ -130,9 +130,12 @@ def test_float_words_plans(monkeypatch):
     # LSTM H=4096 fills shared memory with 4-byte words: no float words.
     info = plan("lstm", jnp.float16, 4096)
     assert info["reg_weights"] and not info["float_words"], info
-    for args in [("rnn", jnp.float16, 1152), ("lstm", jnp.float32, 1024),
-                 ("rnn", jnp.float16, 5760), ("lstm", jnp.float16, 1024, 1)]:
+    for args in [("rnn", jnp.float16, 1152), ("rnn", jnp.float16, 5760),
+                 ("lstm", jnp.float16, 1024, 1)]:
         assert not plan(*args)["float_words"], args  # no register build
+    for args in [("lstm", jnp.float32, 1024), ("rnn", jnp.float32, 1152, 64),
+                 ("rnn", jnp.float32, 4608)]:
+        assert plan(*args)["float_words"], args  # float32: 8-byte words either way
     monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1")  # forced: even where nonzeros spill
     info = plan("lstm", jnp.float16, 4096)
     assert info["float_words"] and not info["on_chip"], info

@@ -44,13 +44,14 @@ def instantiations():
     names = []
     for cell in CELLS:
         for dt, tiles in DTYPES.items():
+            fw = "true" if dt == "kF32" else "false"  # float32: float words (launch.cuh)
             for bt in tiles:
                 names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                             f"sprnn::cuda::DType::{dt}, {bt}, true>")
+                             f"sprnn::cuda::DType::{dt}, {bt}, true, false, 0, {fw}>")
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, 4, false>")
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                         f"sprnn::cuda::DType::{dt}, 4, true, true>")  # the deep gather
+                         f"sprnn::cuda::DType::{dt}, 4, true, true, 0, {fw}>")  # deep gather
             if dt != "kF32":  # register weights, 4-byte or float words (launch.cuh: 16-bit)
                 for words in ("false", "true"):
                     names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "

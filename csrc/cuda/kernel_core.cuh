@@ -173,15 +173,16 @@ struct Tr<DType::kBF16> : Tr16<DType::kBF16> {};
 template <>
 struct Tr<DType::kF16> : Tr16<DType::kF16> {};
 
-// A nonzero as persistent_fwd keeps it in shared memory. Default: Tr<D>::W, (value, column) in
-// 4 bytes for the 16-bit types. Float words (kFloatWords, 16-bit wide tiles): the value as
-// float32 bits and the byte offset of its unit's h values in the tile, 8 bytes, so that row_dot
-// spends no instruction on unpacking: 10 instead of 13 per nonzero and lane at tile 4 fp16
+// A nonzero as persistent_fwd keeps it in shared memory. Default: Tr<D>::W, (value, column),
+// 4 bytes for the 16-bit types. Float words (kFloatWords, wide tiles): the value as float32 bits
+// and the byte offset of its unit's h values in the tile, 8 bytes, so that row_dot spends no
+// instruction on unpacking or addressing: 10 instead of 13 per nonzero and lane at tile 4 fp16
 // (sm_90 SASS), for twice the shared memory per nonzero. Step probe, fp16, B=4, us/step
 // (register build, 4-byte / float words): ReLU H=2304 30% 3.22 -> 3.12, LSTM H=1024 2.08 ->
 // 2.03; whole warps of short rows lose (ReLU H=1152 1.76 -> 1.79: twice the weight wavefronts
-// for no saved round), so the planner takes them with the register build only, where all
-// nonzeros fit (benchmarks/NOTES.md, session 15).
+// for no saved round), so the planner takes them for 16-bit layers with the register build
+// only, where all nonzeros fit (benchmarks/NOTES.md, session 15). Float32 words are 8 bytes
+// either way: its wide builds always use them (launch.cuh).
 template <DType D, bool kFloatWords>
 struct RowWord {
   using W = typename Tr<D>::W;
@@ -189,7 +190,6 @@ struct RowWord {
 };
 template <DType D>
 struct RowWord<D, true> {
-  static_assert(D != DType::kF32, "float words are for 16-bit weights");
   using W = uint2;
   __device__ static W make(float v, int col, int unit_bytes) {
     return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col * unit_bytes));

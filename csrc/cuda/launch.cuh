@@ -30,24 +30,26 @@ auto by_dtype(int dtype, F&& f) {
 // (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
 // h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types, with
 // 4-byte or float words: RowWord) exist for the wide tile 4 only: `deep`, `reg` and `fw`
-// elsewhere are ignored (deep wins; float words only beside the register weights).
+// elsewhere are ignored (deep wins; 16-bit float words only beside the register weights).
+// Float32 wide builds always have float words (the plan says so).
 template <Cell C, DType D>
 KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
+  constexpr bool kFW = D == DType::kF32;
   switch (bt) {
-    case 1: return &persistent_fwd<C, D, 1, true>;
-    case 2: return &persistent_fwd<C, D, 2, true>;
+    case 1: return &persistent_fwd<C, D, 1, true, false, 0, kFW>;
+    case 2: return &persistent_fwd<C, D, 2, true, false, 0, kFW>;
     case 4:
-      if (deep) return &persistent_fwd<C, D, 4, true, true>;
+      if (deep) return &persistent_fwd<C, D, 4, true, true, 0, kFW>;
       if constexpr (D != DType::kF32) {
         if (reg && fw) return &persistent_fwd<C, D, 4, true, false, kRegWeights, true>;
         if (reg) return &persistent_fwd<C, D, 4, true, false, kRegWeights>;
       }
-      return &persistent_fwd<C, D, 4, true>;
-    case 8: return &persistent_fwd<C, D, 8, true>;
-    case 16: return &persistent_fwd<C, D, 16, true>;
-    case 32: return &persistent_fwd<C, D, 32, true>;
-    case 64: return &persistent_fwd<C, D, 64, true>;
+      return &persistent_fwd<C, D, 4, true, false, 0, kFW>;
+    case 8: return &persistent_fwd<C, D, 8, true, false, 0, kFW>;
+    case 16: return &persistent_fwd<C, D, 16, true, false, 0, kFW>;
+    case 32: return &persistent_fwd<C, D, 32, true, false, 0, kFW>;
+    case 64: return &persistent_fwd<C, D, 64, true, false, 0, kFW>;
     default: return nullptr;
   }
 }
