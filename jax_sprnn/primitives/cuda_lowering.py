@@ -40,7 +40,10 @@ side by side (half a warp each). With a batch tile of 4, a 16-bit layer whose ga
 more than one round of loads per thread (H > 4096 at 512 threads) runs a build with twice the
 h bytes in flight per thread (the plan's ``deep_gather``; float32 only when forced); otherwise
 a 16-bit layer whose rows give each lane more than 4 nonzeros runs a build that keeps each
-lane's first 8 weights of its first row in registers (``reg_weights``). The 16-bit
+lane's first 8 weights of its first row in registers (``reg_weights``), and where the layer
+still fits on chip with 8 bytes per nonzero, that build keeps each nonzero in shared memory as
+its float32 value and the byte offset of its unit's h values (``float_words``: no unpacking in
+the row loop; float32 layers always store their nonzeros so). The 16-bit
 cells use the hardware tanh (``tanh.approx.f32``, relative error about 2^-11, the rounding of a
 16-bit result) for tanh and sigmoid on sm_75+, and exp2 / reciprocal forms on sm_70;
 float32 uses CUDA's accurate expf / tanhf and a reciprocal refined by one Newton step in the
@@ -54,7 +57,9 @@ no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_ROW_LANES`` (lanes per row; variants 0-4: 16 or 32 forces half or whole warps,
 variant 5: default from the row length), ``SPRNN_CUDA_DEEP_GATHER`` (0 / 1 forces the deep
 gather off / on for batch tiles of 4), ``SPRNN_CUDA_REG_WEIGHTS`` (0 / 1 forces the register
-weights off / on for 16-bit batch tiles of 4 without the deep gather).
+weights off / on for 16-bit batch tiles of 4 without the deep gather), ``SPRNN_CUDA_FLOAT_WORDS``
+(0 turns the 16-bit float words off, 1 forces them beside the register weights even where
+nonzeros then stay in L2).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
@@ -93,7 +98,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``tiles``, ``groups`` (> 1: the
     tiles run at once, each on blocks / groups blocks), ``deep_gather`` (the tile-4 kernel with
     twice the h bytes in flight per thread, for layers whose gather needs more),
-    ``reg_weights`` (the tile-4 kernel with each lane's first weights in registers), ``blocks``,
+    ``reg_weights`` (the tile-4 kernel with each lane's first weights in registers),
+    ``float_words`` (nonzeros in shared memory as 8-byte float32 value + h offset), ``blocks``,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
