@@ -324,10 +324,10 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   }
   // Float words (kernel_core.cuh RowWord: 8 bytes per nonzero, no unpacking in the rows):
   // always for float32, and for 16-bit layers with the register build where the whole layer
-  // stays on chip with them. Step probe, fp16, B=4,
-  // us/step: ReLU H=2304 30% 3.22 -> 3.12, LSTM H=1024 2.08 -> 2.03; LSTM H=4096 would no
-  // longer fit (benchmarks/NOTES.md, session 15). SPRNN_CUDA_FLOAT_WORDS=0 turns them off, 1
-  // forces them on beside the register weights even where nonzeros then spill to L2 (tests).
+  // stays on chip with them. Step probe, fp16, B=4, us/step: ReLU H=2304 30% 3.22 -> 3.12,
+  // LSTM H=1024 2.08 -> 2.03; LSTM H=4096 would no longer fit (benchmarks/NOTES.md, session
+  // 15). SPRNN_CUDA_FLOAT_WORDS=0 turns them off, 1 forces them on beside the register weights
+  // even where nonzeros then spill to L2 (tests).
   if (dtype == 0) best.float_words = best.persistent && best.wide;  // 8 bytes either way
   if (best.reg_weights) {
     const long long knob = env_int("SPRNN_CUDA_FLOAT_WORDS", -1);

@@ -195,6 +195,8 @@ struct RowWord<D, true> {
     return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col * unit_bytes));
   }
 };
+template <DType D, bool kFloatWords>
+using RowWordT = typename RowWord<D, kFloatWords>::W;
 
 // ---- memory helpers -------------------------------------------------------------------------
 
@@ -553,7 +555,7 @@ __device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps,
 // of one unit's h values in the tile, for float words).
 template <DType D, bool kFloatWords = false>
 __device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
-                                             typename RowWord<D, kFloatWords>::W* w_s,
+                                             RowWordT<D, kFloatWords>* w_s,
                                              int unit_bytes = 0) {
   using T = Tr<D>;
   const typename T::S* vals = static_cast<const typename T::S*>(p.values);
@@ -651,7 +653,7 @@ struct RowMap {
 // The FMAs of kDepth weight words wq of this lane (only those with on[q]: 0 * inf would be NaN):
 // all gathers first, then the FMAs into acc.
 template <DType D, int BT, bool kWide, bool kFW, int kDepth>
-__device__ __forceinline__ void dot_words(const typename RowWord<D, kFW>::W (&wq)[kDepth],
+__device__ __forceinline__ void dot_words(const RowWordT<D, kFW> (&wq)[kDepth],
                                           const bool (&on)[kDepth], const typename Tr<D>::S* h_s,
                                           int H, int b0,
                                           float (&acc)[RowMap<D, BT, kWide>::kNV]) {
@@ -680,10 +682,10 @@ __device__ __forceinline__ void dot_words(const typename RowWord<D, kFW>::W (&wq
 // One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
 // kPredicated, only those below k1), all weight loads first, then dot_words.
 template <DType D, int BT, bool kWide, bool kFW, int kNS, int kDepth, bool kPredicated>
-__device__ __forceinline__ void dot_round(const typename RowWord<D, kFW>::W* w_s,
+__device__ __forceinline__ void dot_round(const RowWordT<D, kFW>* w_s,
                                           const typename Tr<D>::S* h_s, int H, int k, int k1,
                                           int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
-  using W = typename RowWord<D, kFW>::W;
+  using W = RowWordT<D, kFW>;
   W wq[kDepth];
   bool on[kDepth];
 #pragma unroll
@@ -704,10 +706,10 @@ __device__ __forceinline__ void dot_round(const typename RowWord<D, kFW>::W* w_s
 // row passes k0 = k1 = 0. With kLPN = 1 and whole warps a row's k-th nonzero goes to lane
 // k % 32, which is what the bank-aware packing order assumes.
 template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
-__device__ __forceinline__ void row_dot(const Params& p, const typename RowWord<D, kFW>::W* w_s,
+__device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
-                                        const typename RowWord<D, kFW>::W (&wreg)[reg_slots(kRegW)],
+                                        const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
                                         bool use_reg,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
@@ -802,12 +804,11 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
 template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
-__device__ __forceinline__ void compute_rows(const Params& p,
-                                             const typename RowWord<D, kFW>::W* w_s,
+__device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, kFW>* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows,
-                                             const typename RowWord<D, kFW>::W (&wreg)[reg_slots(kRegW)],
+                                             const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
                                              float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
@@ -820,7 +821,8 @@ __device__ __forceinline__ void compute_rows(const Params& p,
     float acc[M::kNV];
     const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
     row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
-                                         has_row ? rows_s[r + 1] : 0, wreg, first_pass, acc);
+                                              has_row ? rows_s[r + 1] : 0, wreg, first_pass,
+                                              acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
       const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
@@ -994,7 +996,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   using T = Tr<D>;
   using S = typename T::S;
   using X = typename T::X;
-  using W = typename RowWord<D, kFloatWords>::W;
+  using W = RowWordT<D, kFloatWords>;
   constexpr int G = gates_of(kCell);
   constexpr bool kLstmCell = kCell == Cell::kLstm;
   // Gathers move h in chunks of at most 32 bytes per thread: kCW tagged words (Lamport) or
@@ -1236,11 +1238,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 2. Rows (compute_rows above).
       if (SPRNN_PROBE_MODE != 1) {
         if (half_warps)
-          compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
-                                                acc_s);
+          compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
+                                                             nu * G, wreg, acc_s);
         else
-          compute_rows<D, BT, kWide, kFloatWords, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s, nu * G, wreg,
-                                                acc_s);
+          compute_rows<D, BT, kWide, kFloatWords, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
+                                                             nu * G, wreg, acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);
