@@ -8,6 +8,7 @@
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
 --spread: one plan timed 8 times in turn, with and without the per-call sync check
 (SPRNN_CUDA_SYNC_CHECK), to see how far single timings of the same kernel scatter.
+--dtype-spread: fp16 / bf16 / fp32 timed in interleaved rounds, wall against device span.
 --overhead: the per-call cost through JAX: us per recurrence at T = 1, 16, 256, 1024 with the
 sync check on / off (interleaved rounds), the per-step cost from T=256 to 1024 and the fixed
 cost per recurrence, beside a trivial jitted call (the dispatch floor).
@@ -277,6 +278,9 @@ def main():
                     help="variant 3 vs 5 (sm_90 clusters) on the targets and a batch sweep")
     ap.add_argument("--spread", action="store_true",
                     help="one plan timed 8 times in turn, sync check on / off (B=4, fp16)")
+    ap.add_argument("--dtype-spread", action="store_true",
+                    help="fp16 / bf16 / fp32 timed in interleaved rounds, wall against the "
+                    "device span (B=4): is the host's share of a call dtype-dependent?")
     ap.add_argument("--overhead", action="store_true",
                     help="fixed us per recurrence and us per step, T = 1 .. 1024 (B=4, fp16)")
     ap.add_argument("--deep", action="store_true",
@@ -458,6 +462,35 @@ def main():
             res.setdefault("spread", []).append(row)
             lines += [f"- {config_name(cell, H, d, jnp.float16)}, sync check {key}: "
                       + " ".join(f"{v:.2f}" for v in row[key]) for key in ("on", "off")]
+            save()
+    if args.dtype_spread:
+        # The targets table times the dtypes one after another; here the rounds interleave them,
+        # so that a difference in wall minus span between dtypes is not the table's order.
+        from device_time import device_times  # noqa: PLC0415
+        dts = (jnp.float16, jnp.bfloat16, jnp.float32)
+        lines += ["", "## Wall against device span by dtype (B=4, us/step; 8 interleaved rounds "
+                  "of the wall median, then the span and kernel of 4 traced calls)", "",
+                  "| layer | wall (median of rounds, min-max) | span | kernel | wall - span |",
+                  "|---|---|---|---|---|"]
+        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+            calls = {dt: kernel_call(cell, act, H, 4, T, d, dt) for dt in dts}
+            walls = {dt: [] for dt in dts}
+            for _ in range(8):
+                for dt in dts:
+                    f, xp, c0 = calls[dt]
+                    walls[dt].append(timeit(f, xp, c0) / (K * T) * 1e6)
+            for dt in dts:
+                f, xp, c0 = calls[dt]
+                dev = device_times(f, (xp, c0))
+                span, kern = dev["span"] / (K * T), dev["kernel"] / (K * T)
+                w = float(np.median(walls[dt]))
+                row = dict(cell=cell, H=H, density=d, dtype=jnp.dtype(dt).name,
+                           sweep="dtype_spread", walls=walls[dt], span=span, kernel=kern)
+                print(json.dumps(row), flush=True)
+                res.setdefault("dtype_spread", []).append(row)
+                lines.append(f"| {config_name(cell, H, d, dt)} | {w:.2f} "
+                             f"({min(walls[dt]):.2f}-{max(walls[dt]):.2f}) | {span:.2f} | "
+                             f"{kern:.2f} | {w - span:.2f} |")
             save()
     if args.overhead:
         # Interleaved rounds (clock drift hits every T alike); per_step from T=256 -> 1024, the
