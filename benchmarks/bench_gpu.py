@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
-                                   [--spread] [--overhead] [--device-time] [--reg]
+                                   [--spread] [--dtype-spread] [--overhead] [--device-time]
+                                   [--reg]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -286,7 +287,8 @@ def main():
     ap.add_argument("--deep", action="store_true",
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--reg", action="store_true",
-                    help="the register-weights build off / on (B=4, 16-bit), wall and kernel time")
+                    help="the register-weights build off / on / on with float words (B=4, "
+                    "16-bit), wall and kernel time")
     ap.add_argument("--cluster-knobs", action="store_true",
                     help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
     ap.add_argument("--device-time", action="store_true",
@@ -481,8 +483,8 @@ def main():
                     walls[dt].append(timeit(f, xp, c0) / (K * T) * 1e6)
             for dt in dts:
                 f, xp, c0 = calls[dt]
-                dev = device_times(f, (xp, c0))
-                span, kern = dev["span"] / (K * T), dev["kernel"] / (K * T)
+                dev = device_times(f, (xp, c0))  # us per call
+                span, kern = (dev[k] / (K * T) for k in ("span", "kernel"))
                 w = float(np.median(walls[dt]))
                 row = dict(cell=cell, H=H, density=d, dtype=jnp.dtype(dt).name,
                            sweep="dtype_spread", walls=walls[dt], span=span, kernel=kern)

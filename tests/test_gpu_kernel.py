@@ -251,7 +251,8 @@ def test_reg_weights(cell, dtype, words, monkeypatch):
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     def plan(H, d):
-        return cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, int(d * oracle.GATES[cell] * H * H))
+        nnz = int(d * oracle.GATES[cell] * H * H)
+        return cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, nnz)
 
     monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1" if words == "float_words" else "0")
     H, d = (2304, 0.3) if cell == "rnn" else (1024, 0.1)

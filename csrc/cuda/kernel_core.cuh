@@ -595,11 +595,11 @@ static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 // kRegW nonzeros of the first row it sums in registers, loaded once, so that round of row_dot
 // reads no weights from shared memory (a third of its shared-memory wavefronts, and one
 // dependent load less before the gathers). 16-bit weights only (the float32 kernel, whose
-// gathers are twice as wide, has no registers to spare); 4-byte or float words. Step probe, fp16, B=4,
-// us/step without / with 8 (benchmarks/NOTES.md, session 13): LSTM H=1024 2.21 -> 2.09, ReLU
-// H=2304 30% 3.35 -> 3.21; lanes with at most kRowTailDepth nonzeros per row gain nothing
-// (ReLU H=1152 1.83 -> 1.82) or lose (ReLU H=1024 1.68 -> 1.73: the round gathers 8 words
-// for 3-4), so the planner picks the build per layer (handlers.cu).
+// gathers are twice as wide, has no registers to spare); 4-byte or float words (RowWord). Step
+// probe, fp16, B=4, us/step without / with 8 (benchmarks/NOTES.md, session 13): LSTM H=1024
+// 2.21 -> 2.09, ReLU H=2304 30% 3.35 -> 3.21; lanes with at most kRowTailDepth nonzeros per
+// row gain nothing (ReLU H=1152 1.83 -> 1.82) or lose (ReLU H=1024 1.68 -> 1.73: the round
+// gathers 8 words for 3-4), so the planner picks the build per layer (handlers.cu).
 constexpr int kRegWeights = 8;
 __host__ __device__ constexpr int reg_slots(int reg_w) { return reg_w > 0 ? reg_w : 1; }
 
