@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
                                    [--spread] [--dtype-spread] [--overhead] [--device-time]
-                                   [--reg]
+                                   [--reg] [--threads]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -21,6 +21,9 @@ forced, since session 9).
 --reg: the register-weights build off / on with 4-byte words / on with float words where they
 fit (SPRNN_CUDA_REG_WEIGHTS, SPRNN_CUDA_FLOAT_WORDS), wall and kernel time, on layers whose
 lanes have more or fewer than 4 nonzeros per row.
+--threads: threads per block 384 / 448 / 480 / 512 (SPRNN_CUDA_THREADS), wall and kernel time,
+on layers whose rows run as half warps (ReLU H=1152 at B=8, ReLU H=2304 30%, LSTM / GRU H=1024)
+and two that do not.
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -264,6 +267,28 @@ def time_knobs(f, xp, c0, knobs, row, T):
             row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
 
 
+def knob_table(res, lines, save, key, title, settings, configs, plan_of, T):
+    """A table of wall / kernel us/step, one row per config (cell, act, H, B, density, dtype),
+    one column per named set of run-time knobs; `plan` = plan_of(the default plan)."""
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+    lines += ["", title, "", "| layer | B | plan | " + " | ".join(settings) + " |",
+              "|---|---|---|" + "---|" * len(settings)]
+    for cell, act, H, B, d, dt in configs:
+        f, xp, c0 = kernel_call(cell, act, H, B, T, d, dt)
+        info = cuda_lowering.plan(cell, dt, H, B, int(d * GATES[cell] * H * H))
+        row = dict(cell=cell, H=H, B=B, density=d, dtype=jnp.dtype(dt).name, sweep=key,
+                   plan=plan_of(info))
+        for name, knobs in settings.items():
+            with knobs_set(knobs):
+                time_method(row, f"{key}_{name}", f, (xp, c0), K * T)
+        print(json.dumps(row), flush=True)
+        res.setdefault(key, []).append(row)
+        lines.append(f"| {cell} H={H} d={d:.0%} {row['dtype']} | {B} | {row['plan']} | "
+                     + " | ".join(f"{fmt(row[f'{key}_{n}'])} / {fmt(row[f'{key}_{n}_kernel'])}"
+                                  for n in settings) + " |")
+        save()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -289,6 +314,9 @@ def main():
     ap.add_argument("--reg", action="store_true",
                     help="the register-weights build off / on / on with float words (B=4, "
                     "16-bit), wall and kernel time")
+    ap.add_argument("--threads", action="store_true",
+                    help="threads per block 384 / 448 / 480 / 512 at the half-warp layers "
+                    "(B=4 and 8), wall and kernel time")
     ap.add_argument("--cluster-knobs", action="store_true",
                     help="variant 5's run-time knobs on ReLU H=1152 and LSTM H=1024 (B=4, fp16)")
     ap.add_argument("--device-time", action="store_true",
@@ -297,7 +325,7 @@ def main():
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
     global DEVICE_TIME
-    DEVICE_TIME = args.device_time or args.reg
+    DEVICE_TIME = args.device_time or args.reg or args.threads
     if args.ncu_one is not None:
         kernel, mask, xp, h0 = problem("rnn", 1152, 4, 32, 0.1, jnp.float16)
         bank = {"bank_period": 0} if args.ncu_one in (0, 1) else {}
@@ -543,34 +571,35 @@ def main():
                 lines.append("- " + json.dumps(row))
                 save()
     if args.reg:
-        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
-        settings = {"off": {"SPRNN_CUDA_REG_WEIGHTS": "0"},
+        knob_table(res, lines, save, "reg",
+                   "## Register weights off / on / on with float words where they fit (B=4; "
+                   "us/step wall, then kernel only; `plan` = the default's choice)",
+                   {"off": {"SPRNN_CUDA_REG_WEIGHTS": "0"},
                     "on": {"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": "0"},
-                    "float": {"SPRNN_CUDA_REG_WEIGHTS": "1"}}
-        lines += ["", "## Register weights off / on / on with float words where they fit (B=4; "
-                  "us/step wall, then kernel only; `plan` = the default's choice)", "",
-                  "| layer | plan | off | on | float |", "|---|---|---|---|---|"]
-        for cell, act, H, d, dt in [("rnn", "relu", 1152, 0.1, jnp.float16),
-                                    ("rnn", "relu", 1024, 0.1, jnp.float16),
-                                    ("rnn", "relu", 2304, 0.3, jnp.float16),
-                                    ("lstm", None, 1024, 0.1, jnp.float16),
-                                    ("lstm", None, 1024, 0.1, jnp.bfloat16),
-                                    ("gru", None, 1024, 0.1, jnp.float16),
-                                    ("lstm", None, 4096, 0.1, jnp.float16)]:
-            f, xp, c0 = kernel_call(cell, act, H, 4, T, d, dt)
-            info = cuda_lowering.plan(cell, dt, H, 4, int(d * GATES[cell] * H * H))
-            row = dict(cell=cell, H=H, density=d, dtype=jnp.dtype(dt).name, sweep="reg",
-                       plan_reg=("float" if info["float_words"] else "on") if info["reg_weights"]
-                       else "off")
-            for name, knobs in settings.items():
-                with knobs_set(knobs):
-                    time_method(row, "reg_" + name, f, (xp, c0), K * T)
-            print(json.dumps(row), flush=True)
-            res.setdefault("reg", []).append(row)
-            lines.append(f"| {cell} H={H} d={d:.0%} {row['dtype']} | {row['plan_reg']} | "
-                         + " | ".join(f"{fmt(row['reg_' + n])} / {fmt(row['reg_' + n + '_kernel'])}"
-                                      for n in settings) + " |")
-            save()
+                    "float": {"SPRNN_CUDA_REG_WEIGHTS": "1"}},
+                   [("rnn", "relu", 1152, 4, 0.1, jnp.float16),
+                    ("rnn", "relu", 1024, 4, 0.1, jnp.float16),
+                    ("rnn", "relu", 2304, 4, 0.3, jnp.float16),
+                    ("lstm", None, 1024, 4, 0.1, jnp.float16),
+                    ("lstm", None, 1024, 4, 0.1, jnp.bfloat16),
+                    ("gru", None, 1024, 4, 0.1, jnp.float16),
+                    ("lstm", None, 4096, 4, 0.1, jnp.float16)],
+                   lambda info: (("float" if info["float_words"] else "on")
+                                 if info["reg_weights"] else "off"), T)
+    if args.threads:
+        knob_table(res, lines, save, "threads",
+                   "## Threads per block (SPRNN_CUDA_THREADS; us/step wall, then kernel only; "
+                   "`plan` = the default's threads, and blocks per batch group)",
+                   {n: {"SPRNN_CUDA_THREADS": n} for n in ("384", "448", "480", "512")},
+                   [("rnn", "relu", 1152, 4, 0.1, jnp.float16),
+                    ("rnn", "relu", 1152, 8, 0.1, jnp.float16),
+                    ("rnn", "relu", 2304, 4, 0.3, jnp.float16),
+                    ("lstm", None, 1024, 4, 0.1, jnp.float16),
+                    ("lstm", None, 1024, 8, 0.1, jnp.float16),
+                    ("gru", None, 1024, 4, 0.1, jnp.float16),
+                    ("gru", None, 1024, 4, 0.1, jnp.bfloat16),
+                    ("gru", None, 1024, 8, 0.1, jnp.float16)],
+                   lambda info: f"{info['threads']} thr, {info['blocks'] // info['groups']} blocks", T)
     if args.groups:
         # Batch groups (SPRNN_CUDA_GROUPS=n: n tiles of about B / n run at once, each on its own
         # blocks) against the default plan, per layer and batch.
