@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
                                    [--spread] [--dtype-spread] [--overhead] [--device-time]
-                                   [--reg] [--threads]
+                                   [--reg] [--threads] [--on-chip]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -24,6 +24,8 @@ lanes have more or fewer than 4 nonzeros per row.
 --threads: threads per block 384 / 448 / 480 / 512 (SPRNN_CUDA_THREADS), wall and kernel time,
 on layers whose rows run as half warps (ReLU H=1152 at B=8, ReLU H=2304 30%, LSTM / GRU H=1024)
 and two that do not.
+--on-chip: LSTM H=4096 10% fp16 B=4, the default plan (tile 4: ~90% of the nonzeros on chip,
+the rest read from L2) against tiles 2 and 1 (SPRNN_CUDA_BT), which hold more or all of them.
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -314,6 +316,9 @@ def main():
     ap.add_argument("--reg", action="store_true",
                     help="the register-weights build off / on / on with float words (B=4, "
                     "16-bit), wall and kernel time")
+    ap.add_argument("--on-chip", action="store_true",
+                    help="LSTM H=4096 (B=4, fp16) default plan vs batch tiles 2 and 1, which "
+                    "hold every nonzero on chip, wall and kernel time")
     ap.add_argument("--threads", action="store_true",
                     help="threads per block 384 / 448 / 480 / 512 at the half-warp layers "
                     "(B=4 and 8), wall and kernel time")
@@ -325,7 +330,7 @@ def main():
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
     global DEVICE_TIME
-    DEVICE_TIME = args.device_time or args.reg or args.threads
+    DEVICE_TIME = args.device_time or args.reg or args.threads or args.on_chip
     if args.ncu_one is not None:
         kernel, mask, xp, h0 = problem("rnn", 1152, 4, 32, 0.1, jnp.float16)
         bank = {"bank_period": 0} if args.ncu_one in (0, 1) else {}
@@ -586,6 +591,16 @@ def main():
                     ("lstm", None, 4096, 4, 0.1, jnp.float16)],
                    lambda info: (("float" if info["float_words"] else "on")
                                  if info["reg_weights"] else "off"), T)
+    if args.on_chip:
+        knob_table(res, lines, save, "on_chip",
+                   "## LSTM H=4096 with its nonzeros wholly on chip (us/step wall, then kernel "
+                   "only; the default tile 4 streams the nonzeros that do not fit from L2, "
+                   "SPRNN_CUDA_BT=1 / 2 run 4 / 2 tiles in turn)",
+                   {"plan": {}, "tile 2": {"SPRNN_CUDA_BT": "2"}, "tile 1": {"SPRNN_CUDA_BT": "1"}},
+                   [("lstm", None, 4096, 4, 0.1, jnp.float16)],
+                   lambda info: (f"tile {info['batch_tile']}, "
+                                 f"{min(1.0, info['nnz_per_block_capacity'] / info['nnz_per_block_needed']):.0%}"
+                                 " of a block's nonzeros on chip"), T)
     if args.threads:
         knob_table(res, lines, save, "threads",
                    "## Threads per block (SPRNN_CUDA_THREADS; us/step wall, then kernel only; "
