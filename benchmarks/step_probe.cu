@@ -173,7 +173,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   // The plan, as handlers.cu make_grid_plan computes it for one tile.
   Params p{};
   p.T = kT; p.B = kB; p.H = H; p.ntiles = 1; p.activation = 1; p.reverse = 0; p.lamport = 1;
-  p.alpha = static_cast<int>(std::max<long long>(1, nnz / (2 * H)));
+  p.alpha = static_cast<int>(std::max<long long>(1, nnz / H));
   const long long total = nnz + static_cast<long long>(p.alpha) * H;
   p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
   const long long avail = smem_optin - 256;
