@@ -596,7 +596,7 @@ def main():
                    "## LSTM H=4096 with its nonzeros wholly on chip (us/step wall, then kernel "
                    "only; the default tile 4 streams the nonzeros that do not fit from L2, "
                    "SPRNN_CUDA_BT=1 / 2 run 4 / 2 tiles in turn)",
-                   {"plan": {}, "tile 2": {"SPRNN_CUDA_BT": "2"}, "tile 1": {"SPRNN_CUDA_BT": "1"}},
+                   {"default": {}, "tile 2": {"SPRNN_CUDA_BT": "2"}, "tile 1": {"SPRNN_CUDA_BT": "1"}},
                    [("lstm", None, 4096, 4, 0.1, jnp.float16)],
                    lambda info: (f"tile {info['batch_tile']}, "
                                  f"{min(1.0, info['nnz_per_block_capacity'] / info['nnz_per_block_needed']):.0%}"
