@@ -141,3 +141,17 @@ def test_float_words_plans(monkeypatch):
     assert info["float_words"] and not info["on_chip"], info
     monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "0")
     assert not plan("lstm", jnp.float16, 1024)["float_words"]
+
+
+def test_partition_room(monkeypatch):
+    # A unit costs its average nonzeros in the block partition, so no block can get more than
+    # twice the average units: shared memory is reserved for that many (units_cap), not three
+    # times as many, and LSTM H=4096 10% fp16 fits wholly on chip at batch tile 2 (it did not).
+    for cell, H, d in [("rnn", 1152, 0.1), ("lstm", 1024, 0.1), ("lstm", 4096, 0.1),
+                       ("gru", 777, 0.0), ("rnn", 5760, 0.01)]:
+        info = cuda_lowering.plan(cell, jnp.float16, H, 4, nnz_of(cell, H, d), **H200)
+        per_group = info["blocks"] // info["groups"]
+        assert info["units_cap"] <= 2 * H // per_group + 3, (cell, H, d, info)
+    monkeypatch.setenv("SPRNN_CUDA_BT", "2")
+    info = cuda_lowering.plan("lstm", jnp.float16, 4096, 4, nnz_of("lstm", 4096, 0.1), **H200)
+    assert info["batch_tile"] == 2 and info["on_chip"] and not info["reason"], info
