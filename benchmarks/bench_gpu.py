@@ -606,14 +606,11 @@ def main():
                    "## Threads per block (SPRNN_CUDA_THREADS; us/step wall, then kernel only; "
                    "`plan` = the default's threads, and blocks per batch group)",
                    {n: {"SPRNN_CUDA_THREADS": n} for n in ("384", "448", "480", "512")},
-                   [("rnn", "relu", 1152, 4, 0.1, jnp.float16),
-                    ("rnn", "relu", 1152, 8, 0.1, jnp.float16),
-                    ("rnn", "relu", 2304, 4, 0.3, jnp.float16),
-                    ("lstm", None, 1024, 4, 0.1, jnp.float16),
-                    ("lstm", None, 1024, 8, 0.1, jnp.float16),
-                    ("gru", None, 1024, 4, 0.1, jnp.float16),
-                    ("gru", None, 1024, 4, 0.1, jnp.bfloat16),
-                    ("gru", None, 1024, 8, 0.1, jnp.float16)],
+                   [("rnn", "relu", 1152, B, 0.1, jnp.float16) for B in (4, 8)]
+                   + [("rnn", "relu", 2304, 4, 0.3, jnp.float16)]
+                   + [("lstm", None, 1024, B, 0.1, jnp.float16) for B in (4, 8)]
+                   + [("gru", None, 1024, 4, 0.1, dt) for dt in (jnp.float16, jnp.bfloat16)]
+                   + [("gru", None, 1024, 8, 0.1, jnp.float16)],
                    lambda info: f"{info['threads']} thr, {info['blocks'] // info['groups']} blocks", T)
     if args.groups:
         # Batch groups (SPRNN_CUDA_GROUPS=n: n tiles of about B / n run at once, each on its own
