@@ -24,7 +24,7 @@ lanes have more or fewer than 4 nonzeros per row.
 --threads: threads per block 384 / 448 / 480 / 512 (SPRNN_CUDA_THREADS), wall and kernel time,
 on layers whose rows run as half warps (ReLU H=1152 at B=8, ReLU H=2304 30%, LSTM / GRU H=1024)
 and two that do not.
---on-chip: LSTM H=4096 10% fp16 B=4, the default plan (tile 4: ~90% of the nonzeros on chip,
+--on-chip: LSTM H=4096 10% fp16 B=4, the default plan (tile 4: ~94% of the nonzeros on chip,
 the rest read from L2) against tiles 2 and 1 (SPRNN_CUDA_BT), which hold more or all of them.
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
