@@ -173,9 +173,9 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   // The plan, as handlers.cu make_grid_plan computes it for one tile.
   Params p{};
   p.T = kT; p.B = kB; p.H = H; p.ntiles = 1; p.activation = 1; p.reverse = 0; p.lamport = 1;
-  p.alpha = static_cast<int>(std::max<long long>(1, nnz / H));
-  const long long total = nnz + static_cast<long long>(p.alpha) * H;
-  p.u_cap = static_cast<int>(std::min<long long>(H, (total / nb + 1) / p.alpha + 2));
+  const UnitSplit split = unit_split(H, nnz, nb);
+  p.alpha = split.alpha;
+  p.u_cap = split.u_cap;
   const long long avail = smem_optin - 256;
   const int w_bytes = c.regw && c.fw ? 8 : 4;
   const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, w_bytes);

@@ -128,17 +128,12 @@ const char* shape_limit(int dtype, long long H, long long B) {
 }
 
 // How the layer's units split over `parts` blocks (the kernels' unit_range): alpha, the largest
-// unit count of a block (u_cap) and the nonzeros one block must be able to hold (the average
-// plus one unit's average, the partition granularity). A unit costs alpha = its average
-// nonzeros on top of its own: a block then holds at most twice the average units (whatever
-// its rows), which bounds the per-unit state shared memory is sized for (u_cap). With half the
-// average (until session 16) u_cap was three times the average units, and the room for them
-// held LSTM H=4096 10% fp16 off chip at batch tile 2; the step probe's times did not move
-// (benchmarks/NOTES.md, session 16).
+// unit count of a block (u_cap; kernel_core.cuh unit_split) and the nonzeros one block must be
+// able to hold (the average plus one unit's average, the partition granularity).
 void partition_units(long long H, long long nnz, int parts, Plan& pl) {
-  pl.alpha = static_cast<int>(std::max<long long>(1, nnz / H));
-  const long long total = nnz + static_cast<long long>(pl.alpha) * H;
-  pl.u_cap = static_cast<int>(std::min<long long>(H, (total / parts + 1) / pl.alpha + 2));
+  const UnitSplit split = unit_split(H, nnz, parts);
+  pl.alpha = split.alpha;
+  pl.u_cap = split.u_cap;
   pl.w_need = (nnz + parts - 1) / parts + (nnz + H - 1) / H;
 }
 

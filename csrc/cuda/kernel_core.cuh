@@ -376,6 +376,21 @@ __device__ __forceinline__ void gather_h(const typename Tr<D>::S* h_s, int H, in
 
 // ---- block partition --------------------------------------------------------------------------
 
+// The partition's parameters for `parts` blocks, set on the host (the planner, handlers.cu, and
+// the step probe) into Params::alpha / u_cap. A unit costs alpha = its average nonzeros on top
+// of its own, so a block gets at most about twice the average units whatever its rows; u_cap
+// bounds them, and the per-unit shared memory is sized for it. With half the average (until
+// session 16) u_cap was three times the average units, and the room for them held LSTM H=4096
+// 10% fp16 off chip at batch tile 2; the step probe's times did not move (benchmarks/NOTES.md).
+struct UnitSplit {
+  int alpha, u_cap;
+};
+__host__ __device__ inline UnitSplit unit_split(long long H, long long nnz, int parts) {
+  const long long alpha = nnz / H > 1 ? nnz / H : 1;
+  const long long u_cap = ((nnz + alpha * H) / parts + 1) / alpha + 2;
+  return {static_cast<int>(alpha), static_cast<int>(u_cap < H ? u_cap : H)};
+}
+
 // First unit u in [0, H] with cost(u) = row_ptr[u*G] + alpha*u >= target (cost is increasing).
 __device__ __forceinline__ int partition_unit(const int32_t* row_ptr, int G, int H, int alpha,
                                               long long target) {
