@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
                                    [--spread] [--dtype-spread] [--overhead] [--device-time]
-                                   [--reg] [--threads] [--on-chip]
+                                   [--reg] [--threads] [--on-chip] [--wait]
 
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
@@ -13,6 +13,9 @@ target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_C
 --overhead: the per-call cost through JAX: us per recurrence at T = 1, 16, 256, 1024 with the
 sync check on / off (interleaved rounds), the per-step cost from T=256 to 1024 and the fixed
 cost per recurrence, beside a trivial jitted call (the dispatch floor).
+--wait: per call, the time until it returns to Python, until block_until_ready returns and
+until a spinning Array.is_ready() loop sees the outputs: ours with the sync check on / off, the
+best dense peer and a trivial jitted call.
 --device-time: with --targets, each method's device time as well (benchmarks/device_time.py):
 the span of a call's device operations and our kernel's own duration, per step.
 --deep: the deep-gather build off / on (SPRNN_CUDA_DEEP_GATHER) around its threshold, float32
@@ -76,6 +79,27 @@ def timeit(f, *args, reps=REPS, warm_s=0.3):
         jax.block_until_ready(f(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def time_wait_modes(f, *args, reps=REPS):
+    """Median seconds per call, three ways in interleaved rounds: until the call returns to
+    Python (JAX dispatches asynchronously unless something in the call blocks the host), until
+    jax.block_until_ready returns (what `timeit` and every table report), and until the outputs
+    report ready while Python spins on Array.is_ready() (a waiter that never sleeps)."""
+    timeit(f, *args, reps=1)  # compile and warm up
+    ret, block, spin = [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = f(*args)
+        ret.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+        block.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        leaves = jax.tree_util.tree_leaves(f(*args))
+        while not all(x.is_ready() for x in leaves):
+            pass
+        spin.append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in (("return", ret), ("block", block), ("spin", spin))}
 
 
 def problem(cell, H, B, T, density, dtype, seed=0):
@@ -311,6 +335,10 @@ def main():
                     "device span (B=4): is the host's share of a call dtype-dependent?")
     ap.add_argument("--overhead", action="store_true",
                     help="fixed us per recurrence and us per step, T = 1 .. 1024 (B=4, fp16)")
+    ap.add_argument("--wait", action="store_true",
+                    help="how long a call takes to return to Python, to block_until_ready and "
+                    "to a spinning is_ready() wait: ours (sync check on / off), the best dense "
+                    "peer and a trivial call (B=4, fp16)")
     ap.add_argument("--deep", action="store_true",
                     help="the deep-gather build off / on around its threshold (B=4, ReLU 10%%)")
     ap.add_argument("--reg", action="store_true",
@@ -559,6 +587,30 @@ def main():
                              + f" us; {per_step:.3f} us/step (T=256 -> 1024) + {fixed:.1f} us "
                              f"fixed; at T=256 {per_rec[256] / 256:.3f} us/step")
                 save()
+    if args.wait:
+        # Is the host's share of the wall time (wall minus device span) the waiter's wake-up?
+        # And does the per-call sync check keep the call from returning before the GPU is done?
+        lines += ["", "## Waiting for a call (B=4, fp16; us per call of K recurrences: returned "
+                  "/ block_until_ready / spinning is_ready)", ""]
+        floor_f = jax.jit(lambda x: x + 1)
+        calls = [("trivial jitted call", floor_f, (jnp.zeros((4, 1024), jnp.float16),), {})]
+        for cell, act, H, d in SMALL_LAYERS:
+            kernel, mask, xp, h0 = problem(cell, H, 4, T, d, jnp.float16)
+            carry = initial_carry(cell, h0)
+            name = config_name(cell, H, d, jnp.float16)
+            f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry)
+            calls += [(f"{name}, ours, sync check {key}", f, (xp, c0), kn)
+                      for key, kn in SYNC_CHECK_ON_OFF]
+            f, c0 = method_scan(cell, act, kernel, xp, carry, unroll=32)
+            calls.append((f"{name}, scan unroll 32", f, (xp, c0), {}))
+        for name, f, a, kn in calls:
+            with knobs_set(kn):
+                us = {k: v * 1e6 for k, v in time_wait_modes(f, *a, reps=40).items()}
+            row = dict(sweep="wait", call=name, **us)
+            print(json.dumps(row), flush=True)
+            res.setdefault("wait", []).append(row)
+            lines.append(f"- {name}: {us['return']:.1f} / {us['block']:.1f} / {us['spin']:.1f}")
+            save()
     if args.deep:
         from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
         lines += ["", "## Deep gather off / on (B=4, ReLU d=10%, us/step; {} = default plan)", ""]
