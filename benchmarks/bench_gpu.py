@@ -57,10 +57,11 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jax_sprnn as sp  # noqa: E402
+from jax_sprnn.primitives.recurrence import CELLS  # noqa: E402
 
 K = 4          # recurrences per timed call
 REPS = 15
-GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
 # The per-call sync check on and off (the knob that turns it off): --spread and --overhead.
 SYNC_CHECK_ON_OFF = [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]
 
@@ -100,6 +101,12 @@ def time_wait_modes(f, *args, reps=REPS):
             pass
         spin.append(time.perf_counter() - t0)
     return {k: float(np.median(v)) for k, v in (("return", ret), ("block", block), ("spin", spin))}
+
+
+def trivial_call():
+    """A jitted `x + 1` on 4 x 1024 fp16 and its argument: the floor of any call's dispatch and
+    completion (--overhead, --wait)."""
+    return jax.jit(lambda x: x + 1), (jnp.zeros((4, 1024), jnp.float16),)
 
 
 def problem(cell, H, B, T, density, dtype, seed=0):
@@ -535,7 +542,7 @@ def main():
                   "of the wall median, then the span and kernel of 4 traced calls)", "",
                   "| layer | wall (median of rounds, min-max) | span | kernel | wall - span |",
                   "|---|---|---|---|---|"]
-        for cell, act, H, d in [("rnn", "relu", 1152, 0.1), ("lstm", None, 1024, 0.1)]:
+        for cell, act, H, d in SMALL_LAYERS:
             calls = {dt: kernel_call(cell, act, H, 4, T, d, dt) for dt in dts}
             walls = {dt: [] for dt in dts}
             for _ in range(8):
@@ -559,9 +566,8 @@ def main():
         # Interleaved rounds (clock drift hits every T alike); per_step from T=256 -> 1024, the
         # fixed cost per recurrence = T=1 minus one step (it includes the dispatch floor / K).
         lines += ["", "## Per-call cost (B=4, fp16): us per recurrence (median of rounds)", ""]
-        floor_f = jax.jit(lambda x: x + 1)
-        x1 = jnp.zeros((4, 1024), jnp.float16)
-        floor_us = timeit(floor_f, x1, reps=40) * 1e6
+        floor_f, floor_args = trivial_call()
+        floor_us = timeit(floor_f, *floor_args, reps=40) * 1e6
         lines.append(f"- a trivial jitted call (dispatch + sync floor): {floor_us:.1f} us per call, "
                      f"{floor_us / K:.1f} per recurrence")
         Ts = (1, 16, 256, 1024)
@@ -592,8 +598,7 @@ def main():
         # And does the per-call sync check keep the call from returning before the GPU is done?
         lines += ["", "## Waiting for a call (B=4, fp16; us per call of K recurrences: returned "
                   "/ block_until_ready / spinning is_ready)", ""]
-        floor_f = jax.jit(lambda x: x + 1)
-        calls = [("trivial jitted call", floor_f, (jnp.zeros((4, 1024), jnp.float16),), {})]
+        calls = [("trivial jitted call", *trivial_call(), {})]
         for cell, act, H, d in SMALL_LAYERS:
             kernel, mask, xp, h0 = problem(cell, H, 4, T, d, jnp.float16)
             carry = initial_carry(cell, h0)

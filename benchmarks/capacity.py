@@ -21,8 +21,9 @@ import os
 import jax.numpy as jnp
 
 from jax_sprnn.primitives import cuda_lowering
+from jax_sprnn.primitives.recurrence import CELLS
 
-GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
 DENSITIES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 H200 = dict(sms=132, smem_optin=232448, cc_major=9)
 
