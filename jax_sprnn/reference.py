@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-CELL_GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 ACTIVATIONS = {"tanh": 0, "relu": 1}
 
 

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sprnn as sp
+from jax_sprnn.primitives import recurrence
 
 CELLS = ("lstm", "gru", "rnn")
-GATES = {"lstm": 4, "gru": 3, "rnn": 1}
+GATES = {cell: recurrence.CELLS[cell].gates for cell in CELLS}  # gate blocks per cell
 ACTIVATIONS = ("tanh", "relu")
 
 

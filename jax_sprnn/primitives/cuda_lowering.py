@@ -73,11 +73,11 @@ import numpy as np
 from jax import core as jcore
 
 from jax_sprnn import _ffi
+from jax_sprnn.primitives.recurrence import CELLS
 
 VARIANTS = {"default": -1, "naive": 0, "wide": 1, "bank_aware": 2, "lamport": 3, "step_loop": 4,
             "cluster": 5}
 _DTYPE_CODES = {np.dtype("float32"): 0, np.dtype(jax.numpy.bfloat16): 1, np.dtype("float16"): 2}
-_GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 _warned: set = set()
 
 
@@ -103,7 +103,7 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
-    return _ffi.cuda_module.plan(_GATES[cell], _DTYPE_CODES[np.dtype(dtype)], int(hidden),
+    return _ffi.cuda_module.plan(CELLS[cell].gates, _DTYPE_CODES[np.dtype(dtype)], int(hidden),
                                  int(batch), int(nnz), int(variant), int(sms), int(smem_optin),
                                  int(cc_major), int(max_cluster))
 
@@ -120,7 +120,7 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     xp_aval = ctx.avals_in[0]
     values_aval = ctx.avals_in[2]
     steps, batch, gh = xp_aval.shape
-    gates = _GATES[cell]
+    gates = CELLS[cell].gates
     hidden = gh // gates
     nnz = values_aval.shape[0]
     dtype_code = _DTYPE_CODES[np.dtype(xp_aval.dtype)]
