@@ -57,11 +57,10 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jax_sprnn as sp  # noqa: E402
-from jax_sprnn.primitives.recurrence import CELLS  # noqa: E402
+from jax_sprnn.primitives.recurrence import GATES  # noqa: E402
 
 K = 4          # recurrences per timed call
 REPS = 15
-GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
 # The per-call sync check on and off (the knob that turns it off): --spread and --overhead.
 SYNC_CHECK_ON_OFF = [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]
 

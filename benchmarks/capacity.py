@@ -21,9 +21,8 @@ import os
 import jax.numpy as jnp
 
 from jax_sprnn.primitives import cuda_lowering
-from jax_sprnn.primitives.recurrence import CELLS
+from jax_sprnn.primitives.recurrence import GATES
 
-GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
 DENSITIES = (0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 H200 = dict(sms=132, smem_optin=232448, cc_major=9)
 
@@ -37,6 +36,7 @@ def on_chip(cell, dtype, H, density):
 def largest(cell, dtype, density, tile=None):
     """The largest H held wholly on chip, with a forced tile or not (the bisection assumes that
     a layer that fits at H fits at every smaller H, as the planner's rules are built)."""
+    saved = os.environ.get("SPRNN_CUDA_BT")
     if tile is not None:
         os.environ["SPRNN_CUDA_BT"] = str(tile)
     try:
@@ -46,7 +46,10 @@ def largest(cell, dtype, density, tile=None):
             lo, hi = (mid, hi) if on_chip(cell, dtype, mid, density) else (lo, mid - 1)
         return lo
     finally:
-        os.environ.pop("SPRNN_CUDA_BT", None)
+        if saved is None:
+            os.environ.pop("SPRNN_CUDA_BT", None)
+        else:
+            os.environ["SPRNN_CUDA_BT"] = saved
 
 
 def main():

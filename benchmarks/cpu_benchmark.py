@@ -22,9 +22,8 @@ import numpy as np
 
 import jax_sprnn as sp
 from jax_sprnn import reference
-from jax_sprnn.primitives.recurrence import CELLS
+from jax_sprnn.primitives.recurrence import GATES
 
-GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
 
 
 def time_calls(fns, *args, repeats: int) -> list:

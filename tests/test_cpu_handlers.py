@@ -18,6 +18,7 @@ import pytest
 
 import jax_sprnn
 from jax_sprnn import _ffi, reference
+from oracle import GATES
 
 pytestmark = [
     # These tests call the CPU FFI targets directly: on GPU machines, keep them on the CPU.
@@ -26,7 +27,6 @@ pytestmark = [
                        reason="jax_sprnn's C++ CPU extension is not built (pip install .)"),
 ]
 
-GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 RTOL = {"f32": 2e-5, "bf16": 2.5e-2, "f16": 1e-2}
 

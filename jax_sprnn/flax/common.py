@@ -19,7 +19,7 @@ import jax_sprnn as sp
 from jax_sprnn.primitives import recurrence
 
 CELLS = ("lstm", "gru", "rnn")
-GATES = {cell: recurrence.CELLS[cell].gates for cell in CELLS}  # gate blocks per cell
+GATES = recurrence.GATES  # gate blocks per cell, from the primitive's table
 ACTIVATIONS = ("tanh", "relu")
 
 

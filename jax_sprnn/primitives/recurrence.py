@@ -35,6 +35,7 @@ CELLS = {
     "lstm": CellSpec(4, ("c", "h"), cell_states=True),
     "gru": CellSpec(3, ("h",), has_b_hn=True),
 }
+GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
 
 
 def forward_roles(cell: str):
