@@ -25,7 +25,6 @@ from jax_sprnn import reference
 from jax_sprnn.primitives.recurrence import GATES
 
 
-
 def time_calls(fns, *args, repeats: int) -> list:
     """Seconds of ``repeats`` calls of each function; calls alternate so that load drifts hit
     all of them alike."""

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from oracle import GATES
 
 import jax_sprnn
 from jax_sprnn import _ffi, reference
-from oracle import GATES
 
 pytestmark = [
     # These tests call the CPU FFI targets directly: on GPU machines, keep them on the CPU.
