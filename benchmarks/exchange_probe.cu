@@ -4,6 +4,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
 //   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
+//                    [share] [smem KB]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
 //    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
@@ -16,6 +17,15 @@
 //    `flagged` 1 the words are raw and each block raises one release flag after them (half the
 //    bytes of 16-bit data, one more L2 round trip). `depth` poll rounds in flight, issued `gap`
 //    clock cycles apart (poll_tagged); prints the poll rounds each thread consumed per batch.
+// 3. With `share` C >= 1 (sm_90): the all-to-all of 2., but the blocks run in thread block
+//    clusters of C, each block polls only a C-th of the items from L2 and hands their values (the
+//    8 bytes of an item without tags) to its C-1 peers with st.async, counted on their
+//    mbarriers (the cluster variant's helpers, cluster_kernel.cuh). Question: is the big layers'
+//    gather (ReLU H=5760: 92 KB per block and step, 1.8 us) bound by the L2's aggregate
+//    bandwidth, so that C blocks sharing one read of each item would gather faster? C = 1 is the
+//    same kernel without peers (its baseline, tile writes included). Each block asks for `smem
+//    KB` of shared memory (default 200), so that one block fits per SM, as in the real kernel;
+//    the probe prints how many clusters of C such blocks can be co-resident.
 // Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
 #include <cuda_runtime.h>
 
@@ -24,7 +34,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/kernel_core.cuh"  // ld_relaxed, st_relaxed, global_ns: the kernel's own
+#include "cuda/cluster_kernel.cuh"  // ld_relaxed, st_relaxed, global_ns, the mbarrier helpers
 #include "cuda_check.h"
 
 using sprnn::cuda::global_ns;
@@ -184,6 +194,176 @@ all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, lo
   if (sink == 0xdeadbeef) abort[1] = 1;  // keeps the reads alive
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+using sprnn::cuda::cluster_arrive;
+using sprnn::cuda::cluster_rank;
+using sprnn::cuda::cluster_wait;
+using sprnn::cuda::map_rank;
+using sprnn::cuda::mbar_arrive_expect;
+using sprnn::cuda::mbar_init;
+using sprnn::cuda::mbar_try_wait;
+#endif
+
+// 3. The cluster-shared all-to-all (see the header). The block of rank r polls the r-th of C
+// contiguous ranges of the items (16 bytes each: 4 tagged words; contiguous, so that no 32-byte
+// sector is read by two blocks of a cluster); an item's 4 values (8 bytes) go to slot s % 2 of the tile of every block
+// of the cluster. Two slots and two mbarriers: a peer writes step s + 2 into our slot s % 2 only
+// after it has seen our step s + 2 words, which we publish after our barrier of step s.
+__global__ void __launch_bounds__(512, 1)
+all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long long* ns,
+                  unsigned long long* rounds, int* abort) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long bar[2];
+  const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
+  const int nitems = nb * wpb / 4;
+  const int rank = static_cast<int>(cluster_rank());
+  const int lo = static_cast<int>(static_cast<long long>(nitems) * rank / csize);
+  const int mine = static_cast<int>(static_cast<long long>(nitems) * (rank + 1) / csize) - lo;
+  const uint32_t peer_bytes = static_cast<uint32_t>(nitems - mine) * 8u;
+  uint2* tile = reinterpret_cast<uint2*>(smem);
+  if (tid == 0) {
+    mbar_init(&bar[0]);
+    mbar_init(&bar[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  cluster_arrive();
+  cluster_wait();
+  unsigned long long my_rounds = 0;
+  bool ok = true;
+  const unsigned long long t0 = global_ns();
+  for (int s = 0; s < steps; ++s) {
+    const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
+    unsigned* slot = words + static_cast<long long>(s & 1) * nb * wpb;
+    uint2* mine_tile = tile + static_cast<long long>(s & 1) * nitems;
+    if (tid == 0) mbar_arrive_expect(&bar[s & 1], peer_bytes);
+    for (int i = tid; i < wpb; i += nthr) st_relaxed(slot + b * wpb + i, (tag << 16) | i);
+    const uint4* s4 = reinterpret_cast<const uint4*>(slot);
+    // This block's items, 8 per thread and round in flight, as the kernel's gather.
+    constexpr int N = 8;
+    for (int k0 = tid; k0 < mine && ok; k0 += nthr * N) {
+      unsigned pending = 0;
+      uint4 w[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) pending |= (k0 + i * nthr < mine ? 1u : 0u) << i;
+      long long spins = 0;
+      while (pending && ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if ((pending >> i) & 1u)
+            asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(w[i].x), "=r"(w[i].y), "=r"(w[i].z), "=r"(w[i].w)
+                         : "l"(s4 + lo + k0 + i * nthr) : "memory");
+        ++my_rounds;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if (((pending >> i) & 1u) && (w[i].x >> 16) == tag && (w[i].y >> 16) == tag &&
+              (w[i].z >> 16) == tag && (w[i].w >> 16) == tag) {
+            pending &= ~(1u << i);
+            const int item = lo + k0 + i * nthr;
+            const uint32_t lo = (w[i].x & 0xffffu) | (w[i].y << 16), hi = (w[i].z & 0xffffu) | (w[i].w << 16);
+            mine_tile[item] = make_uint2(lo, hi);
+            for (int r = 1; r < csize; ++r) {
+              const int peer = (rank + r) % csize;
+              asm volatile(
+                  "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                  ::"r"(map_rank(mine_tile + item, peer)), "r"(lo), "r"(hi),
+                  "r"(map_rank(&bar[s & 1], peer)) : "memory");
+            }
+          }
+        if (pending && ++spins > kMaxSpins) ok = false;
+      }
+    }
+    // Every thread waits for the peers' bytes of this step (phase s / 2 of slot s % 2).
+    for (long long i = 0; ok && !mbar_try_wait(&bar[s & 1], (s >> 1) & 1); )
+      if (++i > kMaxSpins) ok = false;
+    if (!ok) atomicExch(abort, 1);
+    if (__syncthreads_or(!ok)) break;
+  }
+  if (tid == 0) ns[b] = global_ns() - t0;
+  atomicAdd(rounds, my_rounds);
+  // No block exits while a peer's stores to it may be in flight.
+  cluster_arrive();
+  cluster_wait();
+  if (tile[tid % (2 * nitems)].x == 0xdeadbeefu) abort[1] = 1;  // keeps the tile alive
+#else
+  if (threadIdx.x == 0) atomicExch(abort, 3);
+#endif
+}
+
+// Part 3 alone (share >= 1): launch the cluster-shared all-to-all and print us/step.
+int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int smem_kb) {
+  const int nitems = nb * wpb / 4;
+  const size_t tile_bytes = 2 * static_cast<size_t>(nitems) * 8;
+  const size_t smem = std::max(tile_bytes, static_cast<size_t>(smem_kb) * 1024);
+  if (nb % csize || wpb % 4 || threads > 512) {
+    std::fprintf(stderr, "share: blocks must be a multiple of the cluster size, wpb of 4\n");
+    return 2;
+  }
+  const void* fn = reinterpret_cast<const void*>(all_to_all_shared);
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(nb);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeCooperative;
+  attr[1].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int active = 0;
+  CHECK(cudaOccupancyMaxActiveClusters(&active, fn, &cfg));
+  std::printf("share %d: %zu bytes of shared memory per block, at most %d clusters (%d blocks) "
+              "co-resident\n", csize, smem, active, active * csize);
+  if (active * csize < nb) {
+    std::printf("all-to-all shared: %d blocks cannot be co-resident: skipped\n", nb);
+    return 0;
+  }
+  unsigned* words;
+  unsigned long long *ns, *rounds;
+  int* abort;
+  CHECK(cudaMalloc(&words, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
+  CHECK(cudaMemset(words, 0, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
+  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
+  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  cfg.numAttrs = 2;  // cooperative as well, where the driver takes it with clusters
+  cudaError_t e = cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort);
+  const bool coop = e == cudaSuccess;
+  if (!coop) {
+    (void)cudaGetLastError();
+    cfg.numAttrs = 1;  // co-residency from the occupancy check above
+    CHECK(cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort));
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  int flag = 0;
+  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned long long> t(nb);
+  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  unsigned long long nr = 0;
+  CHECK(cudaMemcpy(&nr, rounds, sizeof(nr), cudaMemcpyDeviceToHost));
+  if (flag) {
+    std::printf("all-to-all shared: TIMEOUT (flag %d)\n", flag);
+  } else {
+    const unsigned long long worst = *std::max_element(t.begin(), t.end());
+    std::printf("all-to-all shared %d (%s launch): %d blocks x %d threads, %d words per block, "
+                "%d bytes from L2 per block per step, %d steps: %.3f us/step, %.2f poll rounds "
+                "per thread and step\n", csize, coop ? "cooperative" : "plain", nb, threads, wpb,
+                nitems / csize * 16, steps, worst / 1000.0 / steps,
+                static_cast<double>(nr) / (static_cast<double>(nb) * threads * steps));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   CHECK(cudaGetDevice(&dev));
@@ -195,6 +375,9 @@ int main(int argc, char** argv) {
   const int flagged = argc > 5 ? std::atoi(argv[5]) : 0;
   const int depth = argc > 6 ? std::atoi(argv[6]) : 1;
   const long long gap = argc > 7 ? std::atoll(argv[7]) : 0;
+  const int share = argc > 8 ? std::atoi(argv[8]) : 0;
+  const int smem_kb = argc > 9 ? std::atoi(argv[9]) : 200;
+  if (share > 0) return shared_all_to_all(nb, threads, steps, wpb, share, smem_kb);
   if (nb < 2 || nb > sms || threads < 32 || threads > 512 || steps < 1 || wpb < 4 || wpb % 4 ||
       depth < 1 || depth > 3 || gap < 0) {
     std::fprintf(stderr,
