@@ -1,0 +1,464 @@
+// Exchange probe: the latency of the grid-wide h exchange alone, without the RNN, to tell how
+// much of a small layer's ~0.8 us gather (step_probe.cu) is the L2 itself. Standalone, like
+// step_probe.cu. Results: benchmarks/NOTES.md, session 6.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
+//   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
+//                    [share] [smem KB]
+//
+// 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
+//    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
+//    200 times; prints the median round trip per partner with both SM ids. Two clusters of
+//    values would be the near and far halves of the L2.
+// 2. All-to-all steps: every block publishes wpb tagged words per step and waits until it has
+//    seen every block's words of that step (its threads poll them side by side, 16-byte loads),
+//    then a block barrier, `steps` times; prints us/step: the floor of the kernel's gather
+//    phase. ReLU H=1152 at B=4 fp16 reads 18 KB per block and step: 132 blocks x 36 words. With
+//    `flagged` 1 the words are raw and each block raises one release flag after them (half the
+//    bytes of 16-bit data, one more L2 round trip). `depth` poll rounds in flight, issued `gap`
+//    clock cycles apart (poll_tagged); prints the poll rounds each thread consumed per batch.
+// 3. With `share` C >= 1 (sm_90): the all-to-all of 2., but the blocks run in thread block
+//    clusters of C, each block polls only a C-th of the items from L2 and hands their values (the
+//    8 bytes of an item without tags) to its C-1 peers with st.async, counted on their
+//    mbarriers (the cluster variant's helpers, cluster_kernel.cuh). Question: is the big layers'
+//    gather (ReLU H=5760: 92 KB per block and step, 1.8 us) bound by the L2's aggregate
+//    bandwidth, so that C blocks sharing one read of each item would gather faster? C = 1 is the
+//    same kernel without peers (its baseline, tile writes included). Each block asks for `smem
+//    KB` of shared memory (default 200), so that one block fits per SM, as in the real kernel;
+//    the probe prints how many clusters of C such blocks can be co-resident.
+// Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/cluster_kernel.cuh"  // ld_relaxed, st_relaxed, global_ns, the mbarrier helpers
+#include "cuda_check.h"
+
+using sprnn::cuda::global_ns;
+using sprnn::cuda::ld_relaxed;
+using sprnn::cuda::st_relaxed;
+
+constexpr int kRounds = 200;
+constexpr long long kMaxSpins = 1ll << 24;
+
+__device__ __forceinline__ unsigned smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+// Spins until *p == want; false after kMaxSpins polls (and raises *abort).
+__device__ bool wait_for(const unsigned* p, unsigned want, int* abort) {
+  for (long long i = 0; i < kMaxSpins; ++i) {
+    if (ld_relaxed(p) == want) return true;
+    if ((i & 1023) == 0 && ld_relaxed(reinterpret_cast<const unsigned*>(abort)) != 0) return false;
+  }
+  atomicExch(abort, 1);
+  return false;
+}
+
+// words: [0, nb) ping flags, [nb, 2 nb) pong flags; rtt[k]: median round trip with block k.
+__global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* rtt, int* abort) {
+  const int nb = gridDim.x, b = blockIdx.x;
+  if (threadIdx.x != 0) return;
+  sm_of[b] = smid();
+  unsigned* ping = words;
+  unsigned* pong = words + nb;
+  if (b == 0) {
+    unsigned long long t[kRounds];
+    for (int k = 1; k < nb; ++k) {
+      for (int r = 0; r < kRounds; ++r) {
+        const unsigned tag = static_cast<unsigned>(r + 1);
+        const unsigned long long t0 = global_ns();
+        st_relaxed(ping + k, tag);
+        if (!wait_for(pong + k, tag, abort)) return;
+        t[r] = global_ns() - t0;
+      }
+      // median by partial selection sort (kRounds is small)
+      for (int i = 0; i <= kRounds / 2; ++i)
+        for (int j = i + 1; j < kRounds; ++j)
+          if (t[j] < t[i]) { const unsigned long long x = t[i]; t[i] = t[j]; t[j] = x; }
+      rtt[k] = t[kRounds / 2];
+    }
+  } else {
+    for (int r = 0; r < kRounds; ++r) {
+      const unsigned tag = static_cast<unsigned>(r + 1);
+      if (!wait_for(ping + b, tag, abort)) return;
+      st_relaxed(pong + b, tag);
+    }
+  }
+}
+
+// Rounds of pipelined polling for one thread's items (ib, ib + nthr, ... up to N): D rounds
+// of loads in flight, issued `gap` clock cycles apart, each consumed in turn and re-issued for
+// the still-pending items. D = 1 is the kernel's gather (a stale item costs a whole L2 round
+// trip); D = 2 or 3 were meant to cut that wait to about a round trip / D, at D times the poll
+// traffic. Measured (NOTES.md, session 7): they do not; the extra polls slow every block.
+// Counts consumed rounds in `rounds`. false on a timeout.
+template <int D, int N>
+__device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr, int nitems, unsigned tag,
+                            long long gap, unsigned& sink, unsigned long long& rounds) {
+  unsigned pending = 0;
+  for (int i = 0; i < N; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
+  uint4 w[D][N];
+  auto issue = [&](uint4 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if ((pending >> i) & 1u)
+        asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[i].x), "=r"(r[i].y), "=r"(r[i].z), "=r"(r[i].w)
+                     : "l"(slot + ib + i * nthr) : "memory");
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d > 0) {
+      const long long t = clock64();
+      while (clock64() - t < gap) {}
+    }
+    issue(w[d]);
+  }
+  for (long long spins = 0; spins < kMaxSpins; ++spins) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (((pending >> i) & 1u) && (w[d][i].x >> 16) == tag && (w[d][i].y >> 16) == tag &&
+            (w[d][i].z >> 16) == tag && (w[d][i].w >> 16) == tag) {
+          sink += w[d][i].x ^ w[d][i].w;
+          pending &= ~(1u << i);
+        }
+      ++rounds;
+      if (!pending) return true;
+      issue(w[d]);
+    }
+  }
+  return false;
+}
+
+// All-to-all steps with a payload of wpb 32-bit words per block (wpb % 4 == 0), two slots.
+// Tagged (flagged == 0): every word carries the step's tag in its high half (the kernel's 16-bit
+// Lamport words); each reader polls all nb * wpb words with 16-byte loads, up to 8 per thread
+// and round, `depth` rounds in flight (poll_tagged). Flagged: raw words, then one release flag
+// per block; a reader's threads poll the nb flags (acquire), barrier, then read the words once.
+// Both end with a block barrier, like the kernel's gather. rounds: poll rounds consumed.
+// N = 8 items per thread and batch at D = 1, else 4 (registers).
+template <int D>
+__global__ void __launch_bounds__(512, 1)
+all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, long long gap,
+           unsigned long long* ns,
+                           unsigned long long* rounds, int* abort) {
+  const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
+  const int nitems = nb * wpb / 4;
+  unsigned sink = 0;
+  unsigned long long my_rounds = 0;
+  const unsigned long long t0 = global_ns();
+  for (int s = 0; s < steps; ++s) {
+    const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
+    unsigned* slot = words + static_cast<long long>(s & 1) * nb * wpb;
+    for (int i = tid; i < wpb; i += nthr)
+      st_relaxed(slot + b * wpb + i, flagged ? static_cast<unsigned>(i) : (tag << 16) | i);
+    bool ok = true;
+    if (flagged) {
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + (s & 1) * nb + b), "r"(tag) : "memory");
+      }
+      for (int k = tid; k < nb && ok; k += nthr) {
+        long long i = 0;
+        unsigned v;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + (s & 1) * nb + k) : "memory");
+        } while (v != tag && ++i < kMaxSpins);
+        if (v != tag) { atomicExch(abort, 1); ok = false; }
+      }
+      if (__syncthreads_or(!ok)) return;
+      for (int it = tid; it < nitems; it += nthr) {
+        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(slot) + it);
+        sink += w.x ^ w.y ^ w.z ^ w.w;
+      }
+    } else {
+      const uint4* s4 = reinterpret_cast<const uint4*>(slot);
+      constexpr int N = D == 1 ? 8 : 4;
+      for (int ib = tid; ib < nitems && ok; ib += nthr * N) {
+        ok = poll_tagged<D, N>(s4, ib, nthr, nitems, tag, gap, sink, my_rounds);
+        if (!ok) atomicExch(abort, 1);
+      }
+    }
+    if (__syncthreads_or(!ok)) return;
+  }
+  if (tid == 0) ns[b] = global_ns() - t0;
+  if (tid < nitems) atomicAdd(rounds, my_rounds);
+  if (sink == 0xdeadbeef) abort[1] = 1;  // keeps the reads alive
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+using sprnn::cuda::cluster_arrive;
+using sprnn::cuda::cluster_rank;
+using sprnn::cuda::cluster_wait;
+using sprnn::cuda::map_rank;
+using sprnn::cuda::mbar_arrive_expect;
+using sprnn::cuda::mbar_init;
+using sprnn::cuda::mbar_try_wait;
+#endif
+
+// 3. The cluster-shared all-to-all (see the header). The block of rank r polls the r-th of C
+// contiguous ranges of the items (16 bytes each: 4 tagged words; contiguous, so that no 32-byte
+// sector is read by two blocks of a cluster); an item's 4 values (8 bytes) go to slot s % 2 of the tile of every block
+// of the cluster. Two slots and two mbarriers: a peer writes step s + 2 into our slot s % 2 only
+// after it has seen our step s + 2 words, which we publish after our barrier of step s.
+__global__ void __launch_bounds__(512, 1)
+all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long long* ns,
+                  unsigned long long* rounds, int* abort) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long bar[2];
+  const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
+  const int nitems = nb * wpb / 4;
+  const int rank = static_cast<int>(cluster_rank());
+  const int lo = static_cast<int>(static_cast<long long>(nitems) * rank / csize);
+  const int mine = static_cast<int>(static_cast<long long>(nitems) * (rank + 1) / csize) - lo;
+  const uint32_t peer_bytes = static_cast<uint32_t>(nitems - mine) * 8u;
+  uint2* tile = reinterpret_cast<uint2*>(smem);
+  if (tid == 0) {
+    mbar_init(&bar[0]);
+    mbar_init(&bar[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  cluster_arrive();
+  cluster_wait();
+  unsigned long long my_rounds = 0;
+  bool ok = true;
+  const unsigned long long t0 = global_ns();
+  for (int s = 0; s < steps; ++s) {
+    const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
+    unsigned* slot = words + static_cast<long long>(s & 1) * nb * wpb;
+    uint2* mine_tile = tile + static_cast<long long>(s & 1) * nitems;
+    if (tid == 0) mbar_arrive_expect(&bar[s & 1], peer_bytes);
+    for (int i = tid; i < wpb; i += nthr) st_relaxed(slot + b * wpb + i, (tag << 16) | i);
+    const uint4* s4 = reinterpret_cast<const uint4*>(slot);
+    // This block's items, 8 per thread and round in flight, as the kernel's gather.
+    constexpr int N = 8;
+    for (int k0 = tid; k0 < mine && ok; k0 += nthr * N) {
+      unsigned pending = 0;
+      uint4 w[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) pending |= (k0 + i * nthr < mine ? 1u : 0u) << i;
+      long long spins = 0;
+      while (pending && ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if ((pending >> i) & 1u)
+            asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(w[i].x), "=r"(w[i].y), "=r"(w[i].z), "=r"(w[i].w)
+                         : "l"(s4 + lo + k0 + i * nthr) : "memory");
+        ++my_rounds;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if (((pending >> i) & 1u) && (w[i].x >> 16) == tag && (w[i].y >> 16) == tag &&
+              (w[i].z >> 16) == tag && (w[i].w >> 16) == tag) {
+            pending &= ~(1u << i);
+            const int item = lo + k0 + i * nthr;
+            const uint32_t lo = (w[i].x & 0xffffu) | (w[i].y << 16), hi = (w[i].z & 0xffffu) | (w[i].w << 16);
+            mine_tile[item] = make_uint2(lo, hi);
+            for (int r = 1; r < csize; ++r) {
+              const int peer = (rank + r) % csize;
+              asm volatile(
+                  "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                  ::"r"(map_rank(mine_tile + item, peer)), "r"(lo), "r"(hi),
+                  "r"(map_rank(&bar[s & 1], peer)) : "memory");
+            }
+          }
+        if (pending && ++spins > kMaxSpins) ok = false;
+      }
+    }
+    // Every thread waits for the peers' bytes of this step (phase s / 2 of slot s % 2).
+    for (long long i = 0; ok && !mbar_try_wait(&bar[s & 1], (s >> 1) & 1); )
+      if (++i > kMaxSpins) ok = false;
+    if (!ok) atomicExch(abort, 1);
+    if (__syncthreads_or(!ok)) break;
+  }
+  if (tid == 0) ns[b] = global_ns() - t0;
+  atomicAdd(rounds, my_rounds);
+  // No block exits while a peer's stores to it may be in flight.
+  cluster_arrive();
+  cluster_wait();
+  if (tile[tid % (2 * nitems)].x == 0xdeadbeefu) abort[1] = 1;  // keeps the tile alive
+#else
+  if (threadIdx.x == 0) atomicExch(abort, 3);
+#endif
+}
+
+// Part 3 alone (share >= 1): launch the cluster-shared all-to-all and print us/step.
+int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int smem_kb) {
+  const int nitems = nb * wpb / 4;
+  const size_t tile_bytes = 2 * static_cast<size_t>(nitems) * 8;
+  const size_t smem = std::max(tile_bytes, static_cast<size_t>(smem_kb) * 1024);
+  if (nb % csize || wpb % 4 || threads > 512) {
+    std::fprintf(stderr, "share: blocks must be a multiple of the cluster size, wpb of 4\n");
+    return 2;
+  }
+  const void* fn = reinterpret_cast<const void*>(all_to_all_shared);
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(nb);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeCooperative;
+  attr[1].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int active = 0;
+  CHECK(cudaOccupancyMaxActiveClusters(&active, fn, &cfg));
+  std::printf("share %d: %zu bytes of shared memory per block, at most %d clusters (%d blocks) "
+              "co-resident\n", csize, smem, active, active * csize);
+  if (active * csize < nb) {
+    std::printf("all-to-all shared: %d blocks cannot be co-resident: skipped\n", nb);
+    return 0;
+  }
+  unsigned* words;
+  unsigned long long *ns, *rounds;
+  int* abort;
+  CHECK(cudaMalloc(&words, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
+  CHECK(cudaMemset(words, 0, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
+  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
+  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  cfg.numAttrs = 2;  // cooperative as well, where the driver takes it with clusters
+  cudaError_t e = cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort);
+  const bool coop = e == cudaSuccess;
+  if (!coop) {
+    (void)cudaGetLastError();
+    cfg.numAttrs = 1;  // co-residency from the occupancy check above
+    CHECK(cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort));
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  int flag = 0;
+  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned long long> t(nb);
+  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  unsigned long long nr = 0;
+  CHECK(cudaMemcpy(&nr, rounds, sizeof(nr), cudaMemcpyDeviceToHost));
+  if (flag) {
+    std::printf("all-to-all shared: TIMEOUT (flag %d)\n", flag);
+  } else {
+    const unsigned long long worst = *std::max_element(t.begin(), t.end());
+    std::printf("all-to-all shared %d (%s launch): %d blocks x %d threads, %d words per block, "
+                "%d bytes from L2 per block per step, %d steps: %.3f us/step, %.2f poll rounds "
+                "per thread and step\n", csize, coop ? "cooperative" : "plain", nb, threads, wpb,
+                nitems / csize * 16, steps, worst / 1000.0 / steps,
+                static_cast<double>(nr) / (static_cast<double>(nb) * threads * steps));
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  int dev = 0, sms = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int nb = argc > 1 ? std::atoi(argv[1]) : sms;
+  const int threads = argc > 2 ? std::atoi(argv[2]) : 128;
+  const int steps = argc > 3 ? std::atoi(argv[3]) : 2000;
+  const int wpb = argc > 4 ? std::atoi(argv[4]) : 4;
+  const int flagged = argc > 5 ? std::atoi(argv[5]) : 0;
+  const int depth = argc > 6 ? std::atoi(argv[6]) : 1;
+  const long long gap = argc > 7 ? std::atoll(argv[7]) : 0;
+  const int share = argc > 8 ? std::atoi(argv[8]) : 0;
+  const int smem_kb = argc > 9 ? std::atoi(argv[9]) : 200;
+  if (share > 0) return shared_all_to_all(nb, threads, steps, wpb, share, smem_kb);
+  if (nb < 2 || nb > sms || threads < 32 || threads > 512 || steps < 1 || wpb < 4 || wpb % 4 ||
+      depth < 1 || depth > 3 || gap < 0) {
+    std::fprintf(stderr,
+                 "usage: exchange_probe [blocks 2..%d] [threads 32..512] [steps] [words per block, "
+                 "multiple of 4] [flagged 0/1] [poll depth 1..3] [gap cycles]\n", sms);
+    return 2;
+  }
+  unsigned *words, *flags, *sm_of;
+  unsigned long long *rtt, *ns, *rounds;
+  int* abort;
+  const size_t nwords = 2 * static_cast<size_t>(nb) * wpb;  // ping-pong uses the first 2 nb
+  CHECK(cudaMalloc(&words, nwords * sizeof(unsigned)));
+  CHECK(cudaMalloc(&flags, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&sm_of, nb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&rtt, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
+
+  // 1. ping-pong (one warp per block; cooperative launch: every block co-resident)
+  CHECK(cudaMemset(words, 0, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMemset(rtt, 0, nb * sizeof(unsigned long long)));
+  CHECK(cudaMemset(abort, 0, sizeof(int)));
+  {
+    void* args[] = {&words, &sm_of, &rtt, &abort};
+    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(ping_pong), dim3(nb), dim3(32),
+                                      args, 0, nullptr));
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  int flag = 0;
+  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned> sm(nb);
+  std::vector<unsigned long long> r(nb);
+  CHECK(cudaMemcpy(sm.data(), sm_of, nb * sizeof(unsigned), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(r.data(), rtt, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  if (flag) {
+    std::printf("ping-pong: TIMEOUT\n");
+  } else {
+    std::vector<unsigned long long> v(r.begin() + 1, r.end());
+    std::sort(v.begin(), v.end());
+    std::printf("ping-pong round trip ns (block 0 on SM %u, %d partners): min %llu p25 %llu "
+                "median %llu p75 %llu max %llu\n", sm[0], nb - 1, v.front(), v[v.size() / 4],
+                v[v.size() / 2], v[3 * v.size() / 4], v.back());
+    for (int k = 1; k < nb; ++k) std::printf("  partner block %3d SM %3u: %llu ns\n", k, sm[k], r[k]);
+  }
+
+  // 2. all-to-all steps
+  CHECK(cudaMemset(words, 0, nwords * sizeof(unsigned)));
+  CHECK(cudaMemset(flags, 0, 2 * nb * sizeof(unsigned)));
+  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
+  {
+    int st = steps, w = wpb, f = flagged;
+    long long g = gap;
+    void* args[] = {&words, &flags, &st, &w, &f, &g, &ns, &rounds, &abort};
+    const void* fn = depth >= 3   ? reinterpret_cast<const void*>(all_to_all<3>)
+                     : depth == 2 ? reinterpret_cast<const void*>(all_to_all<2>)
+                                  : reinterpret_cast<const void*>(all_to_all<1>);
+    CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb),
+                                      dim3(threads), args, 0, nullptr));
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  }
+  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned long long> t(nb);
+  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  if (flag) {
+    std::printf("all-to-all: TIMEOUT\n");
+  } else {
+    const unsigned long long worst = *std::max_element(t.begin(), t.end());
+    unsigned long long nr = 0;
+    CHECK(cudaMemcpy(&nr, rounds, sizeof(nr), cudaMemcpyDeviceToHost));
+    // polling threads per block: min(threads, items); each takes its items in batches of 8 (depth 1) or 4
+    const int items = nb * wpb / 4, pollers = std::min(threads, items), per = depth == 1 ? 8 : 4;
+    const int batches = (items + pollers * per - 1) / (pollers * per);
+    std::printf("all-to-all %s: %d blocks x %d threads, %d words (%d bytes read) per block per step, "
+                "%d steps, poll depth %d gap %lld cycles: %.3f us/step, %.2f poll rounds per "
+                "thread batch\n", flagged ? "flagged" : "tagged", nb, threads, wpb, nb * wpb * 4,
+                steps, depth, gap, worst / 1000.0 / steps,
+                flagged ? 0.0 : static_cast<double>(nr) / (static_cast<double>(nb) * pollers * batches * steps));
+  }
+  return 0;
+}

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# One GPU run: build, then the whole test suite, the benchmark (+ ncu bank-conflict counts) or
+# the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
+# benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
+#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
+#                            probe-profile|trace|all]     (default all)
+# batch: the batch sweep, then the large-batch-tile kernel tests.
+# profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
+# verify: the GPU kernel tests (eight processes), then bench_gpu.py $BENCH_ARGS (--targets;
+#   none = tests only).
+# timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
+# trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
+#   kernel, gaps) for the two small target layers.
+# probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
+#   (PROBE_FLAGS: extra nvcc flags of that build, comma-separated).
+# exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
+# probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
+#   a step for the configurations in PROBE_CONFIGS (see the file's header).
+# cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
+#   variant 3 vs 5 on the targets (bench_gpu.py --cluster). Fits one 8-minute call.
+set -uo pipefail
+MODE="${1:-all}"
+OUT="${OUT:-benchmarks/results/run}"
+# The tree sent to the GPU machine has no .git: take the commit from the caller if given.
+export SPRNN_COMMIT="${SPRNN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The H200 needs only sm_90; the default 5-arch build is for wheels/CI (see BUILD_NOTES.md).
+export SPRNN_CUDA_ARCHS="${SPRNN_CUDA_ARCHS:-90}"
+PY=python3
+{
+  echo "date: $(date -Iseconds)"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
+  echo "commit: $SPRNN_COMMIT"
+} | tee "$OUT/env.txt"
+
+if [ "$MODE" = probe ]; then
+  # PROBE_BUILDS: space-separated name=flags (flags joined by commas), one probe binary each.
+  # The builds run side by side (one nvcc each), then the probes one at a time.
+  for build in ${PROBE_BUILDS:-base=}; do
+    name="${build%%=*}"; flags="${build#*=}"
+    nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
+      -o "/tmp/step_probe_$name" > "/tmp/step_probe_$name.log" 2>&1 &
+  done
+  wait
+  # PROBE_ROUNDS: how many times the builds run in turn (interleaved A/B against clock drift).
+  for round in $(seq "${PROBE_ROUNDS:-1}"); do
+    for build in ${PROBE_BUILDS:-base=}; do
+      name="${build%%=*}"; flags="${build#*=}"
+      echo "== build $name: ${flags//,/ } (round $round)" | tee -a "$OUT/probe.txt"
+      [ -x "/tmp/step_probe_$name" ] || { cat "/tmp/step_probe_$name.log"; exit 1; }
+      timeout "${PROBE_TIMEOUT:-300}" "/tmp/step_probe_$name" ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0} 2>&1 | tee -a "$OUT/probe.txt"
+    done
+  done
+  exit 0
+fi
+if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange alone
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
+  for cfg in ${EXCHANGE_CONFIGS:-132:384:2000:4 132:384:2000:16 132:384:2000:20 132:384:2000:36 132:384:2000:72 132:384:2000:20:1 66:384:2000:72}; do  # blocks:threads:steps:words:flagged
+    timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
+  done
+  exit 0
+fi
+if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
+  # PROBE_FLAGS: extra nvcc flags for the profiled build (comma-separated, as in PROBE_BUILDS).
+  flags="${PROBE_FLAGS:-}"
+  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
+    -o /tmp/step_probe_prof || exit 1
+  i=0
+  for cfg in ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0}; do
+    echo "== $cfg" | tee -a "$OUT/profile_summary.txt"
+    timeout 150 ncu --clock-control none --set full --import-source yes -k regex:persistent_fwd -c 1 \
+      -f -o "/tmp/probe_prof$i" /tmp/step_probe_prof "$cfg" > "/tmp/probe_prof$i.log" 2>&1
+    ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
+    ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
+    python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 160 > "$OUT/sass_top_$i.txt" 2>&1
+    gzip -c "/tmp/sass_$i.csv" > "$OUT/sass_$i.csv.gz"  # every line, for reading the SASS around a hot spot
+    head -3 "$OUT/sass_top_$i.txt" | tee -a "$OUT/profile_summary.txt"
+    grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Mem Busy|Max Bandwidth" \
+      "$OUT/details_$i.txt" | tee -a "$OUT/profile_summary.txt"
+    i=$((i + 1))
+  done
+  exit 0
+fi
+
+t0=$(date +%s)
+$PY -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1
+rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
+if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
+cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
+
+if [ "$MODE" = verify ]; then
+  # The whole GPU kernel test file in eight concurrent processes (their time is mostly JAX
+  # compiling on the host), then the targets table (BENCH_ARGS=none: tests only).
+  REPO="$(pwd)"
+  parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
+         "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
+         "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and packed_words"
+         "test_reg_weights and float_words"
+         "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster or test_reg_weights)")
+  for i in "${!parts[@]}"; do
+    (cd /tmp && timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider \
+       "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &
+  done
+  wait
+  # One summary file (only 8 files come back from a device call) and printed last as well.
+  for f in "$OUT"/test_gpu_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done > "$OUT/summary_tests.txt"
+  cat "$OUT/summary_tests.txt"
+  if [ "${BENCH_ARGS:-}" != none ]; then
+    timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
+    cat "$OUT/summary_tests.txt"
+  fi
+fi
+if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+if [ "$MODE" = trace ]; then  # the device timeline of chained calls (benchmarks/trace_calls.py)
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/trace_calls.py --out "$OUT" ${TRACE_ARGS:-} 2>&1 | tee "$OUT/trace.log" | tail -40
+fi
+if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
+  REPO="$(pwd)"
+  (cd /tmp && timeout 200 $PY -m pytest -q -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "float16-3 or bidirectional or vmap or timeout" 2>&1) | tee "$OUT/test_smoke.log" | tail -3
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
+  if [ "$MODE" = quick ]; then
+    timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --tune --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
+  else
+    timeout 420 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --batch --sweeps --quick 2>&1 | tee "$OUT/bench.log" | tail -45
+  fi
+  if command -v ncu >/dev/null && [ "$MODE" != quick ]; then
+    for v in 1 2 3; do
+      timeout 45 ncu --clock-control none -k regex:persistent_fwd -c 1 \
+        --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__sass_inst_executed_op_shared_ld.sum \
+        $PY benchmarks/bench_gpu.py --ncu-one $v > "$OUT/ncu_variant$v.txt" 2>&1
+      grep -E "bank_conflicts|wavefronts|inst_executed" "$OUT/ncu_variant$v.txt" | sed "s/^/variant $v: /"
+    done | tee "$OUT/ncu_summary.txt"
+  fi
+fi
+if [ "$MODE" = batch ]; then  # the batch sweep first, then the large-tile kernel tests
+  REPO="$(pwd)"
+  timeout 70 $PY benchmarks/bench_gpu.py --out "$OUT" --batch --quick 2>&1 | tee "$OUT/bench.log" | tail -30
+  (cd /tmp && timeout 100 $PY -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "large_batch or forced or block_local or bidirectional" 2>&1) | tee "$OUT/test_batch.log" | tail -15
+fi
+if [ "$MODE" = cluster ]; then
+  REPO="$(pwd)"
+  (cd /tmp && timeout 240 $PY -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
+     -k "cluster or bidirectional or public_api or vmap or tile_plans or float16-3" 2>&1) | tee "$OUT/test_cluster.log" | tail -15
+  timeout 130 $PY benchmarks/bench_gpu.py --out "$OUT" --cluster 2>&1 | tee "$OUT/bench.log" | tail -25
+fi
+if [ "$MODE" = profile ]; then  # ncu full sections + per-SASS-line stalls, variants 3 and 5
+  for v in ${PROFILE_VARIANTS:-3 5}; do
+    timeout 150 ncu --clock-control none --set full --import-source yes -c 1 \
+      -k regex:"persistent_fwd|cluster_fwd" -f -o "$OUT/variant$v" \
+      $PY benchmarks/bench_gpu.py --ncu-one $v > "$OUT/ncu_run$v.log" 2>&1
+    ncu -i "$OUT/variant$v.ncu-rep" --page details > "$OUT/details_variant$v.txt" 2>&1
+    ncu -i "$OUT/variant$v.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/sass_variant$v.csv" 2>&1
+    $PY benchmarks/ncu_sass_top.py "$OUT/sass_variant$v.csv" 60 > "$OUT/sass_top_variant$v.txt" 2>&1
+    gzip -f "$OUT/sass_variant$v.csv"; rm -f "$OUT/variant$v.ncu-rep"
+    grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ" \
+      "$OUT/details_variant$v.txt" | sed "s/^/variant $v: /"
+  done
+fi
+if [ "$MODE" = lm ]; then
+  REPO="$(pwd)"
+  (cd /tmp && timeout 520 $PY "$REPO/examples/pruned_lm.py" --config gpu --workdir /tmp/pruned_lm_gpu --quiet 2>&1) | tee "$OUT/pruned_lm_gpu.log" | tail -20
+  cp /tmp/pruned_lm_gpu/results.md /tmp/pruned_lm_gpu/results.json /tmp/pruned_lm_gpu/pruned_lm.png "$OUT/" 2>/dev/null
+fi

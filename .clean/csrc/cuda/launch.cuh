@@ -1,0 +1,116 @@
+// Kernel table and per-step fallback driver, shared by the per-cell translation units
+// kernels_{rnn,lstm,gru}.cu (split so that the instantiations compile in parallel).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda/cluster_kernel.cuh"
+#include "cuda/kernel_core.cuh"
+
+namespace sprnn::cuda {
+
+using KernelFn = void (*)(Params);
+
+// Calls f(std::integral_constant<DType, D>{}) for the storage type code (0 float32, 1 bfloat16,
+// 2 float16): one switch for every per-dtype kernel table below.
+template <class F>
+auto by_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case 0: return f(std::integral_constant<DType, DType::kF32>{});
+    case 1: return f(std::integral_constant<DType, DType::kBF16>{});
+    default: return f(std::integral_constant<DType, DType::kF16>{});
+  }
+}
+
+// Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 to 64
+// (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
+// kernel_core.cuh). The naive layout (variant 0) is built for BT = 4 only. The planner
+// (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
+// h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types, with
+// 4-byte or float words: RowWord) exist for the wide tile 4 only: `deep`, `reg` and `fw`
+// elsewhere are ignored (deep wins; 16-bit float words only beside the register weights).
+// Float32 wide builds always have float words (the plan says so).
+template <Cell C, DType D>
+KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw) {
+  if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
+  constexpr bool kFW = D == DType::kF32;
+  switch (bt) {
+    case 1: return &persistent_fwd<C, D, 1, true, false, 0, kFW>;
+    case 2: return &persistent_fwd<C, D, 2, true, false, 0, kFW>;
+    case 4:
+      if (deep) return &persistent_fwd<C, D, 4, true, true, 0, kFW>;
+      if constexpr (D != DType::kF32) {
+        if (reg && fw) return &persistent_fwd<C, D, 4, true, false, kRegWeights, true>;
+        if (reg) return &persistent_fwd<C, D, 4, true, false, kRegWeights>;
+      }
+      return &persistent_fwd<C, D, 4, true, false, 0, kFW>;
+    case 8: return &persistent_fwd<C, D, 8, true, false, 0, kFW>;
+    case 16: return &persistent_fwd<C, D, 16, true, false, 0, kFW>;
+    case 32: return &persistent_fwd<C, D, 32, true, false, 0, kFW>;
+    case 64: return &persistent_fwd<C, D, 64, true, false, 0, kFW>;
+    default: return nullptr;
+  }
+}
+
+// Batch tiles of the cluster variant (cluster_kernel.cuh: a unit's columns lie in one warp).
+template <Cell C, DType D>
+KernelFn cluster_kernel(int bt) {
+  switch (bt) {
+    case 1: return &cluster_fwd<C, D, 1>;
+    case 2: return &cluster_fwd<C, D, 2>;
+    case 4: return &cluster_fwd<C, D, 4>;
+    case 8: return &cluster_fwd<C, D, 8>;
+    case 16: return &cluster_fwd<C, D, 16>;
+    default: return nullptr;
+  }
+}
+
+template <Cell C, DType D>
+cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream) {
+  const long long n = static_cast<long long>(p.B) * p.H;
+  const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
+  step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const long long warps = n;
+  const long long blocks = (warps * 32 + 255) / 256;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  for (int s = 0; s < p.T; ++s) {
+    step_fwd<C, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s, hbuf, cbuf);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);
+  return cudaGetLastError();
+}
+
+// Per-cell entry points (one translation unit each: SPRNN_DEFINE_CELL_ENTRY there).
+#define SPRNN_CELL_ENTRY(name)                                                            \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,      \
+                                  bool fw);                                               \
+  KernelFn pick_cluster_##name(int dtype, int bt);                                        \
+  cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
+                               cudaStream_t s);
+SPRNN_CELL_ENTRY(rnn)
+SPRNN_CELL_ENTRY(lstm)
+SPRNN_CELL_ENTRY(gru)
+#undef SPRNN_CELL_ENTRY
+
+// The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
+#define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
+  KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,    \
+                                  bool fw) {                                             \
+    return by_dtype(dtype, [&](auto d) {                                                 \
+      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, fw);          \
+    });                                                                                  \
+  }                                                                                      \
+  KernelFn pick_cluster_##name(int dtype, int bt) {                                      \
+    return by_dtype(dtype, [&](auto d) { return cluster_kernel<C, decltype(d)::value>(bt); }); \
+  }                                                                                      \
+  cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,      \
+                               cudaStream_t s) {                                         \
+    return by_dtype(dtype,                                                               \
+                    [&](auto d) { return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s); }); \
+  }
+
+}  // namespace sprnn::cuda

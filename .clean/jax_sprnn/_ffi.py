@@ -1,0 +1,34 @@
+"""Loads the compiled extensions and registers their FFI targets with XLA at import."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+
+def _load(module: str):
+    try:
+        return importlib.import_module(f"jax_sprnn.{module}")
+    except ImportError:
+        return None
+
+
+_cpu = _load("_sprnn_cpu")
+_cuda = _load("_sprnn_cuda")
+
+for _module, _platform in ((_cpu, "cpu"), (_cuda, "CUDA")):
+    if _module is not None:
+        for _name, _capsule in _module.registrations().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+
+CPU_TARGETS = frozenset(_cpu.registrations()) if _cpu is not None else frozenset()
+CUDA_TARGETS = frozenset(_cuda.registrations()) if _cuda is not None else frozenset()
+cuda_module = _cuda
+
+
+def require_cpu_extension():
+    if _cpu is None:
+        raise ImportError(
+            "jax_sprnn's C++ extension (_sprnn_cpu) is not built. Install the package with "
+            "`pip install .` (see README.md) instead of importing it from the source tree.")

@@ -1,0 +1,79 @@
+"""The functional API: sparse rnn / lstm / gru over a precomputed input projection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sprnn import _ffi, reference, validation
+from jax_sprnn.primitives import autodiff  # registers the primitives' lowerings
+from jax_sprnn.weights import SparseWeights
+
+# "auto": the compiled handler of the platform, or the pure-JAX fallback (with a warning) where
+# none was built; "kernel": the compiled handler or an error; "reference": the dense lax.scan.
+IMPLEMENTATIONS = ("auto", "kernel", "reference")
+
+
+def _require_compiled_kernel():
+    backend = jax.default_backend()
+    targets = _ffi.CUDA_TARGETS if backend == "gpu" else _ffi.CPU_TARGETS
+    if backend not in ("cpu", "gpu") or not targets:
+        raise RuntimeError(f"implementation='kernel' needs jax_sprnn's compiled handler for the "
+                           f"{backend!r} backend, which this build does not have "
+                           "(see BUILD_NOTES.md)")
+
+
+def _as_array(x):
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+
+
+def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    # Validate the caller's own dtypes: converting first would silently turn float64 to float32.
+    xp, carry, b_hn = jax.tree.map(_as_array, (xp, carry, b_hn))
+    lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
+    xp, carry, b_hn = jax.tree.map(jnp.asarray, (xp, carry, b_hn))
+    steps, batch, _ = xp.shape
+    if steps == 0 or batch == 0:  # nothing to run: empty outputs, carry unchanged
+        return jnp.zeros((steps, batch, w.hidden_size), xp.dtype), carry
+    if implementation == "kernel":
+        _require_compiled_kernel()
+    if implementation == "reference":
+        return reference.recurrence(cell, xp, carry, w.to_dense(), lengths, b_hn,
+                                    reverse=bool(reverse), activation=activation)
+    return autodiff.sparse_recurrence(cell, xp, carry, w, lengths, b_hn,
+                                      reverse=bool(reverse), activation=activation)
+
+
+def rnn(xp, h0, w: SparseWeights, activation: str = "tanh", seq_lengths=None, reverse=False, *,
+        implementation: str = "auto"):
+    """Simple RNN ``h' = act(xp_t + h @ W)``. xp: (T, B, H). Returns (ys (T, B, H), h_T)."""
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
+    ys, (h,) = _run("rnn", xp, (h0,), w, None, seq_lengths, reverse,
+                    reference.ACTIVATIONS[activation], implementation)
+    return ys, h
+
+
+def lstm(xp, carry, w: SparseWeights, seq_lengths=None, reverse=False, *,
+         implementation: str = "auto"):
+    """LSTM (Flax's LSTMCell, gates i, f, g, o). xp: (T, B, 4H); carry (c0, h0).
+
+    Returns (ys (T, B, H), (c_T, h_T)).
+    """
+    if not isinstance(carry, (tuple, list)) or len(carry) != 2:
+        raise TypeError("lstm's carry must be a pair (c0, h0)")
+    ys, (c, h) = _run("lstm", xp, tuple(carry), w, None, seq_lengths, reverse, 0, implementation)
+    return ys, (c, h)
+
+
+def gru(xp, h0, w: SparseWeights, b_hn, seq_lengths=None, reverse=False, *,
+        implementation: str = "auto"):
+    """GRU (Flax's GRUCell, gates r, z, n; b_hn is the hidden-side bias of n). xp: (T, B, 3H).
+
+    Returns (ys (T, B, H), h_T).
+    """
+    ys, (h,) = _run("gru", xp, (h0,), w, b_hn, seq_lengths, reverse, 0, implementation)
+    return ys, h

@@ -1,0 +1,140 @@
+"""Host-side packing of a boolean mask into the kernel's CSR layout (docs/INTERFACE.md).
+
+All of this runs once per layer on concrete NumPy arrays, vectorized over every nonzero, so
+packing an H=4096 LSTM (67M mask entries) takes about a second.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LAYOUT_VERSION = 1
+DEFAULT_BANK_PERIOD = 16
+SUPPORTED_GATES = (1, 3, 4)
+
+
+def packed_row_to_dense_column(rows: np.ndarray, hidden: int, gates: int) -> np.ndarray:
+    """Packed row r = u*G + g holds the dense kernel column g*H + u."""
+    return (rows % gates) * hidden + rows // gates
+
+
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    """Per row of a (rows, classes) array: the sum over the classes before each one."""
+    return np.cumsum(a, axis=1) - a
+
+
+def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.ndarray:
+    """Permutation of nonzeros (sorted by row) that spreads each row's columns over banks.
+
+    What it optimizes: a warp's lanes read ``h[col]`` for ``period`` consecutive nonzeros of a
+    row at once (an aligned group). The shared memory serves such a read in as many passes
+    (wavefronts) as the largest number of the group's columns that share a residue
+    ``col mod period`` (a bank). The order minimizes the row's total passes, the sum over its
+    groups of that largest multiplicity.
+
+    Why it is optimal: with F full groups, a residue class of k members needs at least k - F
+    groups holding two of it, and a class of k < F members leaves F - k groups that must hold a
+    duplicate of some other class instead. So at least D = max over classes of |k - F| groups
+    cost two passes, whatever the order. The construction reaches that bound: F - D "single"
+    groups take one member of every class (placed in residue order), and the D "double"
+    groups share the rest, dealt round-robin in residue order, at most two per class each. The
+    last, partial group (n mod period members) takes one member from each of the largest
+    classes first. (Rows where some class exceeds 2F, or too few distinct classes remain for
+    the partial group, get the plain round-robin deal.) On random masks this takes the 8-byte
+    gathers from 1.50-1.59x the conflict-free passes (the round-robin deal used before session
+    7) to 1.26-1.31x, against a bound of 1.22-1.27x (benchmarks/NOTES.md, session 7). The
+    time on the H200 changed by under 1% (the rows there are bound by instruction issue).
+
+    How the CUDA kernel reads it (csrc/cuda/kernel_core.cuh): one warp (or half warp) per
+    packed row, the row's k-th nonzero on lane k % 32 (k % 16), and h in shared memory as
+    h[col][batch tile]. With the default period 16 and an fp16/bf16 batch tile of 4 (8-byte
+    loads, served per half warp) a single group's 16 lanes read 16 distinct 8-byte bank pairs.
+    For 16-byte loads (float32 tile of 4, 16-bit tile of 8; served 8 lanes at a time) a single
+    group's residue order puts 0..7 and 8..15 in its two halves, also distinct mod 8.
+
+    ``row_of`` must be non-decreasing. Returns indices into the inputs.
+    """
+    n_total = row_of.shape[0]
+    if n_total == 0 or period <= 1:
+        return np.arange(n_total)
+    P = period
+    residue = cols % P
+    by_residue = np.lexsort((cols, residue, row_of))  # row-major, residue-sorted within a row
+    rows_sorted = row_of[by_residue]
+    res = residue[by_residue]
+    # Compact row index r of every nonzero, and per-row class counts (rows, P).
+    first = np.flatnonzero(np.r_[True, rows_sorted[1:] != rows_sorted[:-1]])
+    r = np.repeat(np.arange(first.size), np.diff(np.r_[first, n_total]))
+    counts = np.bincount(r * P + res, minlength=first.size * P).reshape(-1, P)
+    n = counts.sum(axis=1)
+    full = n // P
+    part = n - P * full
+    q = np.arange(n_total) - first[r]  # rank within the row, in residue order
+    class_start = _exclusive_cumsum(counts)
+    j = q - class_start[r, res]  # rank within the residue class
+
+    # The plain round-robin deal over the row's m groups (the fallback).
+    m = -(-n // P)
+    last = n - P * (m - 1)
+    m_minus = np.maximum(m - 1, 1)
+    dealt = q < (last * m)[r]
+    q2 = q - (last * m)[r]
+    deal_position = np.where(dealt, (q % m[r]) * P + q // m[r],
+                             (q2 % m_minus[r]) * P + last[r] + q2 // m_minus[r])
+
+    # The partial group: the last member of each of the `part` largest classes.
+    by_size = np.argsort(-counts, axis=1, kind="stable")
+    size_rank = np.empty_like(by_size)
+    np.put_along_axis(size_rank, by_size, np.arange(P)[None, :], axis=1)
+    chosen = (size_rank < part[:, None]) & (counts > 0)
+    rest = counts - chosen
+    doubles = np.minimum(np.abs(rest - full[:, None]).max(axis=1), full)
+    singles = full - doubles
+    to_doubles = rest - singles[:, None]
+    fallback = (chosen.sum(axis=1) < part) | (to_doubles.max(axis=1) > 2 * doubles)
+
+    is_partial = chosen[r, res] & (j == counts[r, res] - 1)
+    is_single = ~is_partial & (j < singles[r])
+    t = _exclusive_cumsum(to_doubles)[r, res] + j - singles[r]
+    d = np.maximum(doubles[r], 1)
+    position = np.where(
+        is_partial, P * full[r] + _exclusive_cumsum(chosen)[r, res],
+        np.where(is_single, P * (doubles[r] + j) + res, P * (t % d) + t // d))
+    position = np.where(fallback[r], deal_position, position)
+    final = np.lexsort((position, rows_sorted))
+    return by_residue[final]
+
+
+def pack_mask(mask: np.ndarray, gates: int, bank_period: int = DEFAULT_BANK_PERIOD):
+    """Packs a (H, G*H) boolean mask.
+
+    Returns (col_idx, dense_col, row_ptr): the kept entries ``kernel[col_idx, dense_col]`` in
+    packed order (so ``values = kernel[col_idx, dense_col]``; the kernel's row is the hidden
+    unit the weight multiplies) and the row pointer over the G*H unit-major packed rows.
+    """
+    hidden = mask.shape[0]
+    # Nonzeros of the kernel, grouped by packed row (the output they feed).
+    in_unit, out_col = np.nonzero(mask)
+    packed_row = (out_col % hidden) * gates + out_col // hidden
+    by_row = np.lexsort((in_unit, packed_row))
+    in_unit, out_col, packed_row = in_unit[by_row], out_col[by_row], packed_row[by_row]
+    order = bank_aware_order(packed_row, in_unit, bank_period)
+    in_unit, out_col, packed_row = in_unit[order], out_col[order], packed_row[order]
+    counts = np.bincount(packed_row, minlength=gates * hidden)
+    row_ptr = np.zeros(gates * hidden + 1, dtype=np.int64)
+    np.cumsum(counts, out=row_ptr[1:])
+    if row_ptr[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"too many nonzeros for int32 indices: {row_ptr[-1]}")
+    return in_unit.astype(np.int32), out_col.astype(np.int32), row_ptr.astype(np.int32)
+
+
+def validate_packed(col_idx: np.ndarray, row_ptr: np.ndarray, hidden: int, gates: int, nnz: int):
+    """Checks a packed layout on the host; raises ValueError describing the first problem."""
+    if row_ptr.shape != (gates * hidden + 1,):
+        raise ValueError(f"row_ptr must have shape ({gates * hidden + 1},), got {row_ptr.shape}")
+    if col_idx.shape != (nnz,):
+        raise ValueError(f"col_idx must have shape ({nnz},), got {col_idx.shape}")
+    if row_ptr[0] != 0 or row_ptr[-1] != nnz or np.any(np.diff(row_ptr) < 0):
+        raise ValueError("row_ptr must start at 0, end at nnz and never decrease")
+    if nnz and (col_idx.min() < 0 or col_idx.max() >= hidden):
+        raise ValueError(f"col_idx out of range [0, {hidden})")

@@ -1,0 +1,62 @@
+"""Reverse-mode autodiff of the recurrence: a custom VJP pairing the two primitives.
+
+Forward-mode (jvp) is not defined: the backward handlers implement the VJP directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_sprnn.primitives import lowering  # noqa: F401 (registers the lowerings)
+from jax_sprnn.primitives.recurrence import CELLS, backward_p, forward_p
+
+DEFAULT_VARIANT = -1
+
+
+def _forward(cell, reverse, activation, xp, lengths, values, col_idx, row_ptr, carry, b_hn):
+    extras = (b_hn,) if CELLS[cell].has_b_hn else ()
+    return forward_p.bind(xp, lengths, values, col_idx, row_ptr, *carry, *extras, cell=cell,
+                          reverse=reverse, activation=activation, variant=DEFAULT_VARIANT,
+                          local=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _recurrence(cell, reverse, activation, xp, lengths, values, col_idx, row_ptr, carry, b_hn):
+    outs = _forward(cell, reverse, activation, xp, lengths, values, col_idx, row_ptr, carry,
+                    b_hn)
+    n_carry = len(CELLS[cell].carry)
+    return outs[0], tuple(outs[1:1 + n_carry])
+
+
+def _recurrence_fwd(cell, reverse, activation, xp, lengths, values, col_idx, row_ptr, carry,
+                    b_hn):
+    outs = _forward(cell, reverse, activation, xp, lengths, values, col_idx, row_ptr, carry,
+                    b_hn)
+    n_carry = len(CELLS[cell].carry)
+    ys, final, cell_states = outs[0], tuple(outs[1:1 + n_carry]), tuple(outs[1 + n_carry:])
+    residuals = (xp, lengths, values, col_idx, row_ptr, carry, b_hn, ys, cell_states)
+    return (ys, final), residuals
+
+
+def _recurrence_bwd(cell, reverse, activation, residuals, cotangents):
+    xp, lengths, values, col_idx, row_ptr, carry, b_hn, ys, cell_states = residuals
+    dys, dcarry = cotangents
+    extras = (b_hn,) if CELLS[cell].has_b_hn else ()
+    grads = backward_p.bind(xp, lengths, values, col_idx, row_ptr, *carry, *extras, ys,
+                            *cell_states, dys, *dcarry, cell=cell, reverse=reverse,
+                            activation=activation, groups=1, local=False)
+    n_carry = len(carry)
+    dxp, dvalues, dcarry0 = grads[0], grads[1][0], tuple(grads[2:2 + n_carry])
+    db_hn = grads[2 + n_carry][0] if extras else None
+    return dxp, None, dvalues, None, None, dcarry0, db_hn
+
+
+_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+def sparse_recurrence(cell, xp, carry, w, lengths, b_hn=None, *, reverse=False, activation=0):
+    """Runs the validated recurrence through the primitives. Returns (ys, carry_T)."""
+    return _recurrence(cell, bool(reverse), int(activation), xp, lengths, w.values, w.col_idx,
+                       w.row_ptr, tuple(carry), b_hn)

@@ -1,0 +1,92 @@
+"""Lowering of the primitives: through custom partitioning, then to each platform's handler.
+
+forward_p/backward_p with ``local=False`` lower through ``sharding.partitioned`` (so a batch
+sharded over a mesh runs shard by shard); the per-shard call binds ``local=True``, which lowers
+to the C++ handler on CPU, the CUDA kernel on GPU, or the pure-JAX fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax._src import dispatch  # no public equivalent; see below
+from jax.interpreters import mlir
+
+from jax_sprnn import _ffi
+from jax_sprnn.primitives import cuda_lowering, jax_fallback, sharding
+from jax_sprnn.primitives.recurrence import backward_p, forward_p
+
+
+def _attributes(cell, reverse, activation, **extra):
+    attrs = dict(reverse=reverse, **extra)
+    if cell == "rnn":
+        attrs["activation"] = activation
+    return attrs
+
+
+def _forward_cpu(ctx, *operands, cell, reverse, activation, variant):
+    return jax.ffi.ffi_lowering(f"sprnn_{cell}_fwd")(
+        ctx, *operands, **_attributes(cell, reverse, activation, variant=variant))
+
+
+def _backward_cpu(ctx, *operands, cell, reverse, activation, groups):
+    return jax.ffi.ffi_lowering(f"sprnn_{cell}_bwd")(
+        ctx, *operands, **_attributes(cell, reverse, activation, groups=groups))
+
+
+_warned_no_cuda: list = []
+
+
+def _forward_cuda(ctx, *operands, cell, **params):
+    if cuda_lowering.available(cell):
+        return cuda_lowering.forward_lowering(ctx, *operands, cell=cell, **params)
+    if not _warned_no_cuda:
+        _warned_no_cuda.append(True)
+        warnings.warn("jax_sprnn was built without its CUDA extension (nvcc was not found at "
+                      "build time): GPU calls run the pure-JAX lax.scan fallback. Rebuild with "
+                      "nvcc on PATH (see BUILD_NOTES.md) for the sparse persistent kernel.",
+                      RuntimeWarning, stacklevel=2)
+    return mlir.lower_fun(functools.partial(jax_fallback.forward, cell=cell, **params),
+                          multiple_results=True)(ctx, *operands)
+
+
+def _backward_cuda(ctx, *operands, **params):
+    return mlir.lower_fun(functools.partial(jax_fallback.backward, **params),
+                          multiple_results=True)(ctx, *operands)
+
+
+def _dispatch(primitive, platform_rule):
+    """Lowering rule: partitioned call when local=False, else the platform handler."""
+
+    def rule(ctx, *operands, local, **params):
+        if not local and _DEVICES_AT_LOWERING is not None:
+            fun = functools.partial(sharding.partitioned, primitive, params)
+            return mlir.lower_fun(fun, multiple_results=True)(ctx, *operands)
+        return platform_rule(ctx, *operands, **params)
+
+    return rule
+
+
+def _require_cpu(rule):
+    def checked(ctx, *operands, **params):
+        _ffi.require_cpu_extension()
+        return rule(ctx, *operands, **params)
+
+    return checked
+
+
+# custom_partitioning's lowering needs the device assignment, which JAX only passes to
+# lowerings of primitives in this set (JAX's cuDNN attention registers itself the same way).
+# Without it (a future JAX), the primitives lower unpartitioned: correct, but not sharded.
+_DEVICES_AT_LOWERING = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+if _DEVICES_AT_LOWERING is not None:
+    _DEVICES_AT_LOWERING.update({forward_p, backward_p})
+
+mlir.register_lowering(forward_p, _dispatch(forward_p, _require_cpu(_forward_cpu)),
+                       platform="cpu")
+mlir.register_lowering(backward_p, _dispatch(backward_p, _require_cpu(_backward_cpu)),
+                       platform="cpu")
+mlir.register_lowering(forward_p, _dispatch(forward_p, _forward_cuda), platform="cuda")
+mlir.register_lowering(backward_p, _dispatch(backward_p, _backward_cuda), platform="cuda")

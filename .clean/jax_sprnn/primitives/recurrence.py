@@ -1,0 +1,134 @@
+"""The two primitives (forward and backward recurrence): operand layout, shapes, batching.
+
+Operands follow the FFI targets in docs/INTERFACE.md exactly, so lowering is a plain call.
+Each operand and result has a *role* that says how vmap folds it into the batch axis:
+  time:    (T, B, ...)    batch axis 1
+  batch:   (B, ...)       batch axis 0
+  shared:  weights, b_hn  never batched (vmap over weights is an error)
+  grouped: (groups, ...)  per-instance weight gradients; vmap multiplies the groups
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core
+from jax.interpreters import batching, xla
+
+TIME, BATCH, SHARED, GROUPED = "time", "batch", "shared", "grouped"
+WEIGHTS = (SHARED, SHARED, SHARED)  # values, col_idx, row_ptr
+
+
+@dataclasses.dataclass(frozen=True)
+class CellSpec:
+    gates: int
+    carry: tuple  # names of the carry arrays, in API order
+    has_b_hn: bool = False
+    cell_states: bool = False  # forward also returns every step's cell state (lstm)
+
+
+CELLS = {
+    "rnn": CellSpec(1, ("h",)),
+    "lstm": CellSpec(4, ("c", "h"), cell_states=True),
+    "gru": CellSpec(3, ("h",), has_b_hn=True),
+}
+GATES = {name: spec.gates for name, spec in CELLS.items()}  # gate blocks per cell
+
+
+def forward_roles(cell: str):
+    spec = CELLS[cell]
+    ins = (TIME, BATCH, *WEIGHTS) + (BATCH,) * len(spec.carry) + (SHARED,) * spec.has_b_hn
+    outs = (TIME,) + (BATCH,) * len(spec.carry) + (TIME,) * spec.cell_states
+    return ins, outs
+
+
+def backward_roles(cell: str):
+    spec = CELLS[cell]
+    n_carry = len(spec.carry)
+    ins = ((TIME, BATCH, *WEIGHTS) + (BATCH,) * n_carry + (SHARED,) * spec.has_b_hn
+           + (TIME,) + (TIME,) * spec.cell_states      # ys, cs
+           + (TIME,) + (BATCH,) * n_carry)             # dys, dcarry_T
+    outs = (TIME, GROUPED) + (BATCH,) * n_carry + (GROUPED,) * spec.has_b_hn
+    return ins, outs
+
+
+# ---- forward ----------------------------------------------------------------------------------
+forward_p = core.Primitive("sprnn_forward")
+forward_p.multiple_results = True
+
+
+def _forward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, **_):
+    steps, batch, _ = xp.shape
+    hidden = rest[0].shape[-1]
+    n_carry = len(CELLS[cell].carry)
+    seq = jax.core.ShapedArray((steps, batch, hidden), xp.dtype)
+    state = jax.core.ShapedArray((batch, hidden), xp.dtype)
+    return [seq] + [state] * n_carry + [seq] * CELLS[cell].cell_states
+
+
+forward_p.def_abstract_eval(_forward_abstract_eval)
+forward_p.def_impl(functools.partial(xla.apply_primitive, forward_p))
+
+
+# ---- backward ---------------------------------------------------------------------------------
+backward_p = core.Primitive("sprnn_backward")
+backward_p.multiple_results = True
+
+
+def _backward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, groups, **_):
+    spec = CELLS[cell]
+    carry = rest[:len(spec.carry)]
+    outs = [jax.core.ShapedArray(xp.shape, xp.dtype),
+            jax.core.ShapedArray((groups, values.shape[0]), values.dtype)]
+    outs += [jax.core.ShapedArray(c.shape, c.dtype) for c in carry]
+    if spec.has_b_hn:
+        b_hn = rest[len(spec.carry)]
+        outs.append(jax.core.ShapedArray((groups, b_hn.shape[0]), b_hn.dtype))
+    return outs
+
+
+backward_p.def_abstract_eval(_backward_abstract_eval)
+backward_p.def_impl(functools.partial(xla.apply_primitive, backward_p))
+
+
+# ---- vmap: fold the mapped axis into the batch axis -----------------------------------------
+def _fold(x, dim, role, size):
+    """Moves the vmapped axis next to the batch axis and merges the two."""
+    if role == SHARED:
+        if dim is not None:
+            raise ValueError("jax_sprnn: the recurrent weights and b_hn cannot be batched under "
+                             "vmap; they are shared by every instance (map over xp and the carry)")
+        return x
+    axis = 1 if role == TIME else 0
+    if dim is None:
+        x = jnp.broadcast_to(jnp.expand_dims(x, axis),
+                             x.shape[:axis] + (size,) + x.shape[axis:])
+    else:
+        x = jnp.moveaxis(x, dim, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _unfold(y, role, size):
+    axis = 1 if role == TIME else 0
+    return y.reshape(y.shape[:axis] + (size, -1) + y.shape[axis + 1:]), axis
+
+
+def _make_batching_rule(primitive, roles_of):
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        in_roles, out_roles = roles_of(params["cell"])
+        folded = [_fold(a, d, r, size) for a, d, r in zip(args, dims, in_roles)]
+        if "groups" in params:
+            params = dict(params, groups=params["groups"] * size)
+        outs = primitive.bind(*folded, **params)
+        unfolded = [_unfold(y, r, size) for y, r in zip(outs, out_roles)]
+        return [y for y, _ in unfolded], [d for _, d in unfolded]
+
+    return rule
+
+
+batching.primitive_batchers[forward_p] = _make_batching_rule(forward_p, forward_roles)
+batching.primitive_batchers[backward_p] = _make_batching_rule(backward_p, backward_roles)

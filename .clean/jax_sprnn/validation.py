@@ -1,0 +1,78 @@
+"""Input checks run before any kernel: every bad input becomes a clear Python error."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sprnn.packing import LAYOUT_VERSION
+from jax_sprnn.weights import SparseWeights
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _dtype_name(dtypes) -> str:
+    return ", ".join(str(d) for d in dtypes)
+
+
+def check_dtype(name: str, x, dtype) -> None:
+    if jnp.dtype(x.dtype) != dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but xp has dtype {dtype}; xp, the carry, "
+                        "the kernel and b_hn must share one dtype")
+
+
+def check_shape(name: str, x, shape) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
+    """Validates a call's arguments. Returns the per-sequence lengths as an int32 array."""
+    if not isinstance(w, SparseWeights):
+        raise TypeError(f"w must be a jax_sprnn.SparseWeights, got {type(w).__name__}; "
+                        "build one with SparseWeights.from_dense(kernel, mask)")
+    gates = {"rnn": 1, "lstm": 4, "gru": 3}[cell]
+    if w.gates != gates:
+        raise ValueError(f"{cell} needs a kernel of shape (H, {gates}*H) but the weights have "
+                         f"{w.gates} gate(s)")
+    if np.ndim(w.values) != 1:
+        raise ValueError("the weights have batch dimensions; vmap over weights is not supported "
+                         "(weights are shared across the batch)")
+    if w.layout_version != LAYOUT_VERSION:
+        raise ValueError(f"packed layout version {w.layout_version} is not supported (this "
+                         f"build reads version {LAYOUT_VERSION}); repack with from_dense")
+    if np.ndim(xp) != 3:
+        raise ValueError(f"xp must be time-major (T, B, {gates}*H), got shape {np.shape(xp)}")
+    dtype = jnp.dtype(xp.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; supported: {_dtype_name(SUPPORTED_DTYPES)}")
+    steps, batch, width = xp.shape
+    hidden = w.hidden_size
+    if width != gates * hidden:
+        raise ValueError(f"xp's last axis is {width} but the weights need {gates}*H = "
+                         f"{gates * hidden} (H = {hidden})")
+    names = ("c0", "h0") if cell == "lstm" else ("h0",)
+    for name, c in zip(names, carry):
+        check_shape(name, c, (batch, hidden))
+        check_dtype(name, c, dtype)
+    check_dtype("the kernel values", w.values, dtype)
+    if cell == "gru":
+        check_shape("b_hn", b_hn, (hidden,))
+        check_dtype("b_hn", b_hn, dtype)
+    return check_lengths(seq_lengths, steps, batch)
+
+
+def check_lengths(seq_lengths, steps: int, batch: int):
+    if seq_lengths is None:
+        return jnp.full((batch,), steps, jnp.int32)
+    if not jnp.issubdtype(jnp.result_type(seq_lengths), jnp.integer):
+        raise TypeError(f"seq_lengths must be integers, got {jnp.result_type(seq_lengths)}")
+    check_shape("seq_lengths", seq_lengths, (batch,))
+    if not isinstance(seq_lengths, jax.core.Tracer):
+        values = np.asarray(seq_lengths)
+        if values.size and (values.min() < 0 or values.max() > steps):
+            raise ValueError(f"seq_lengths must lie in [0, T={steps}], got values in "
+                             f"[{values.min()}, {values.max()}]")
+    # Traced lengths cannot be checked here; the kernels clamp them to [0, T].
+    return jnp.asarray(seq_lengths, jnp.int32)

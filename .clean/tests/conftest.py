@@ -1,0 +1,42 @@
+"""Test setup: 4 host CPU devices (for the sharding tests) and shared fixtures."""
+
+import os
+
+# Must happen before JAX initializes its backends.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# References (Flax's dense cells, jnp.dot) must be exact float32 on GPUs too, where XLA's default
+# matmul precision is TF32: seen as 2e-5 differences against Flax's LSTM on the H200.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = has_gpu()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    # They call the CPU FFI targets directly; CI (a CPU machine) runs them.
+    skip_cpu_only = pytest.mark.skip(reason="direct CPU-handler test; runs where the CPU is "
+                                            "JAX's default backend")
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        if "cpu_only" in item.keywords and jax.default_backend() != "cpu":
+            item.add_marker(skip_cpu_only)
+
+
+def pytest_configure(config):
+    import jax_sprnn._ffi as ffi
+
+    if not ffi.CPU_TARGETS:
+        pytest.exit("jax_sprnn was imported without its compiled extension (from "
+                    f"{ffi.__file__}). Build and install it first: scripts/test.sh does both.",
+                    returncode=2)

@@ -1,0 +1,114 @@
+"""Independent float64 NumPy oracle of the recurrences, written from the equations in
+../shared/DESIGN.md (not from the library's code), plus random-problem builders for tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+
+# Relative tolerances of ||out - ref|| / ||ref|| per dtype (float32 accumulation everywhere).
+RTOL = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def run(cell, xp, carry, kernel, lengths=None, b_hn=None, reverse=False, activation="tanh"):
+    """xp (T, B, G*H), carry tuple of (B, H), kernel (H, G*H). Returns (ys, carry_T)."""
+    xp = np.asarray(xp, np.float64)
+    kernel = np.asarray(kernel, np.float64)
+    steps, batch, _ = xp.shape
+    hidden = kernel.shape[0]
+    lengths = np.full(batch, steps) if lengths is None else np.asarray(lengths)
+    ys = np.zeros((steps, batch, hidden))
+    final = [np.zeros((batch, hidden)) for _ in carry]
+    for b in range(batch):
+        state = [np.asarray(c, np.float64)[b].copy() for c in carry]
+        order = range(lengths[b] - 1, -1, -1) if reverse else range(lengths[b])
+        for t in order:
+            x = xp[t, b]
+            hw = state[-1] @ kernel
+            if cell == "rnn":
+                a = x + hw
+                state = [np.tanh(a) if activation == "tanh" else np.maximum(a, 0.0)]
+            elif cell == "lstm":
+                i, f, g, o = np.split(x + hw, 4)
+                c = _sigmoid(f) * state[0] + _sigmoid(i) * np.tanh(g)
+                state = [c, _sigmoid(o) * np.tanh(c)]
+            else:
+                xr, xz, xn = np.split(x, 3)
+                hr, hz, hn = np.split(hw, 3)
+                r, z = _sigmoid(xr + hr), _sigmoid(xz + hz)
+                n = np.tanh(xn + r * (hn + np.asarray(b_hn, np.float64)))
+                state = [(1 - z) * n + z * state[0]]
+            ys[t, b] = state[-1]
+        for f_, s in zip(final, state):
+            f_[b] = s
+    return ys, tuple(final)
+
+
+def rel_error(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    scale = max(np.linalg.norm(ref), 1e-30)
+    return float(np.linalg.norm(out - ref) / scale)
+
+
+def random_mask(rng, hidden, gates, density, pattern="uniform"):
+    """Masks of the kinds the kernels must handle: uniform, with empty rows, skewed rows."""
+    shape = (hidden, gates * hidden)
+    mask = rng.random(shape) < density
+    if pattern == "empty_rows":  # every other output (packed row) has no nonzero
+        mask[:, ::2] = False
+    elif pattern == "skewed":  # a few outputs are dense, the rest very sparse
+        mask = rng.random(shape) < density * 0.1
+        mask[:, : max(1, gates * hidden // 8)] = True
+    return mask
+
+
+def random_problem(rng, cell, steps, batch, hidden, density, dtype, pattern="uniform",
+                   scale=None):
+    gates = GATES[cell]
+    mask = random_mask(rng, hidden, gates, density, pattern)
+    # Scale keeps pre-activations O(1) whatever H and density are.
+    scale = scale or 1.5 / np.sqrt(max(1.0, density * hidden))
+    kernel = (rng.standard_normal(mask.shape) * scale * mask).astype(np.float32)
+    xp = rng.standard_normal((steps, batch, gates * hidden)).astype(np.float32)
+    carry = tuple(rng.standard_normal((batch, hidden)).astype(np.float32) * 0.5
+                  for _ in range(2 if cell == "lstm" else 1))
+    b_hn = rng.standard_normal(hidden).astype(np.float32) * 0.5 if cell == "gru" else None
+    cast = (lambda a: None if a is None else np.asarray(a).astype(dtype))
+    return dict(xp=cast(xp), carry=tuple(cast(c) for c in carry), kernel=cast(kernel),
+                mask=mask, b_hn=cast(b_hn))
+
+
+def make_lengths(rng, kind, steps, batch):
+    """seq_lengths of a kind: None, all T, or ragged with an empty and (B > 1) a full one."""
+    if kind == "none":
+        return None
+    if kind == "full":
+        return np.full(batch, steps, np.int32)
+    lengths = rng.integers(0, steps + 1, batch).astype(np.int32)
+    lengths[0] = 0
+    if batch > 1:
+        lengths[-1] = steps
+    return lengths
+
+
+def run_api(cell, xp, carry, w, b_hn=None, lengths=None, reverse=False, activation="tanh",
+            implementation="auto"):
+    """Calls sp.rnn / sp.lstm / sp.gru uniformly; returns (ys, carry tuple)."""
+    import jax_sprnn as sp  # noqa: PLC0415
+
+    if cell == "lstm":
+        return sp.lstm(xp, carry, w, lengths, reverse, implementation=implementation)
+    if cell == "gru":
+        ys, h = sp.gru(xp, carry[0], w, b_hn, lengths, reverse, implementation=implementation)
+    else:
+        ys, h = sp.rnn(xp, carry[0], w, activation, lengths, reverse,
+                       implementation=implementation)
+    return ys, (h,)

@@ -1,0 +1,157 @@
+"""The CUDA kernel's placement planner (csrc/cuda/handlers.cu make_plan) for a hypothetical
+H200 (132 SMs, 227 KB of shared memory per block, sm_90): host code, so it runs without a GPU
+wherever the CUDA extension was built (CI builds it with nvcc).
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from jax_sprnn import _ffi
+from oracle import GATES
+
+pytestmark = pytest.mark.skipif(_ffi.cuda_module is None, reason="needs _sprnn_cuda (nvcc)")
+
+if _ffi.cuda_module is not None:
+    from jax_sprnn.primitives import cuda_lowering
+
+H200 = dict(sms=132, smem_optin=232448, cc_major=9)
+
+
+def nnz_of(cell, H, density):
+    """Nonzeros of a layer's (gates * H) x H recurrent matrix at this density."""
+    return int(density * GATES[cell] * H * H)
+
+
+def test_batch_group_plans():
+    # The default's batch groups: the most that keep tiles of 4+ and <= 128 rows per block.
+    for cell, H, d, B, groups, bt in [("rnn", 1152, 0.1, 4, 1, 4), ("rnn", 1152, 0.1, 8, 2, 4),
+                                      ("rnn", 1152, 0.1, 16, 4, 4), ("rnn", 1152, 0.1, 64, 8, 8),
+                                      ("lstm", 1024, 0.1, 64, 4, 16),
+                                      ("rnn", 2304, 0.3, 64, 1, 32)]:  # too big to replicate
+        info = cuda_lowering.plan(cell, jnp.float16, H, B, nnz_of(cell, H, d), variant=3, **H200)
+        assert (info["groups"], info["batch_tile"]) == (groups, bt), (cell, H, B, info)
+        assert info["on_chip"] and info["blocks"] == 132 // groups * groups, info
+
+
+def test_cluster_plans():
+    h200 = dict(H200, variant=5)
+    nnz = int(0.1 * 1152 * 1152)
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **h200)
+    got = (info["variant"], info["cluster"], info["batch_tile"], info["blocks"])
+    assert got == (5, 16, 4, 16), info
+    assert info["persistent"] and info["on_chip"] and not info["reason"], info
+    # LSTM H=1024 d=10% fp16 (1.7 MB of nonzeros) fits 16 CTAs; B=64 runs 4 clusters of 16.
+    lstm_nnz = int(0.1 * 1024 * 4096)
+    assert cuda_lowering.plan("lstm", jnp.float16, 1024, 4, lstm_nnz, **h200)["variant"] == 5
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, nnz, **h200)
+    got = (info["variant"], info["batch_tile"], info["tiles"], info["blocks"])
+    assert got == (5, 16, 4, 64), info
+    # Too large for one cluster, or no clusters: the grid plan (variant 5 says why).
+    big = int(0.1 * 4096 * 4 * 4096)
+    info = cuda_lowering.plan("lstm", jnp.float16, 4096, 4, big, **h200)
+    assert info["variant"] == 3 and "variant 5" in info["reason"], info
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **dict(h200, cc_major=8))
+    assert info["variant"] == 3 and "9.0" in info["reason"], info
+    info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, max_cluster=8, **h200)
+    assert info["cluster"] == 8, info
+    # The default never picks clusters (measured slower, benchmarks/NOTES.md).
+    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **H200)["variant"] == 3
+
+
+def test_deep_gather_plans(monkeypatch):
+    def deep(cell, dtype, H, B=4, d=0.1):
+        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+        return info["deep_gather"], info
+
+    # 16-bit: 512 threads x 8 chunks cover H units in one round; float32 only when forced.
+    assert deep("rnn", jnp.float16, 5760)[0], deep("rnn", jnp.float16, 5760)[1]
+    assert not deep("rnn", jnp.float16, 1152)[0]
+    assert not deep("lstm", jnp.float16, 4096)[0]  # exactly one round
+    assert not deep("rnn", jnp.float16, 2304, d=0.3)[0]
+    assert not deep("rnn", jnp.float32, 4608)[0]  # measured no gain for float32
+    assert not deep("rnn", jnp.float16, 5760, B=1)[0]  # tile 1: no deep build
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "0")
+    assert not deep("rnn", jnp.float16, 5760)[0]
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
+    assert deep("rnn", jnp.float16, 1152)[0]
+    assert deep("rnn", jnp.float32, 4608)[0]
+
+
+def test_reg_weights_plans(monkeypatch):
+    def reg(cell, dtype, H, B=4, d=0.1):
+        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+        return info["reg_weights"], info
+
+    # 16-bit tile 4 where a lane's share of a row is more than 4 nonzeros (the kernel's rows per
+    # lane: half warps when a block has 17..32 rows, else whole warps).
+    for cell, H, d in [("lstm", 1024, 0.1), ("gru", 1024, 0.1), ("rnn", 2304, 0.3),
+                       ("lstm", 4096, 0.1)]:
+        got, info = reg(cell, jnp.float16, H, d=d)
+        assert got, (cell, H, d, info)
+        assert reg(cell, jnp.bfloat16, H, d=d)[0], (cell, H, d)
+    assert not reg("rnn", jnp.float16, 1152)[0]  # 115-nonzero rows, whole warps: 3.6 per lane
+    assert not reg("rnn", jnp.float16, 1024)[0]
+    assert not reg("lstm", jnp.float32, 1024)[0]  # 16-bit weights only
+    assert not reg("rnn", jnp.float16, 5760)[0]  # the deep build holds its gather there
+    assert not reg("lstm", jnp.float16, 1024, B=1)[0]  # tile 1: no register build
+    # Two batch groups of tile 4 on 66 blocks each: ReLU H=1152 then has 17-18 rows per block
+    # (half warps, 7.2 per lane), LSTM H=1024 62 (whole warps, 3.2 per lane).
+    assert reg("rnn", jnp.float16, 1152, B=8)[0]
+    assert not reg("lstm", jnp.float16, 1024, B=8)[0]
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "0")
+    assert not reg("lstm", jnp.float16, 1024)[0]
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "1")
+    assert reg("rnn", jnp.float16, 1152)[0]
+    assert not reg("rnn", jnp.float32, 1152)[0]
+    monkeypatch.setenv("SPRNN_CUDA_DEEP_GATHER", "1")
+    assert not reg("rnn", jnp.float16, 1152)[0]
+
+
+def test_float_words_plans(monkeypatch):
+    def plan(cell, dtype, H, B=4, d=0.1):
+        return cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+
+    # The register build's float words (8 bytes per nonzero) where the layer stays on chip.
+    for cell, H, d in [("lstm", 1024, 0.1), ("gru", 1024, 0.1), ("rnn", 2304, 0.3)]:
+        for dtype in (jnp.float16, jnp.bfloat16):
+            info = plan(cell, dtype, H, d=d)
+            assert info["reg_weights"] and info["float_words"] and info["on_chip"], info
+            assert info["smem_bytes"] <= H200["smem_optin"], info
+            monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "0")
+            packed = plan(cell, dtype, H, d=d)
+            monkeypatch.delenv("SPRNN_CUDA_FLOAT_WORDS")
+            assert packed["reg_weights"] and not packed["float_words"], packed
+            # Half as many 8-byte words as 4-byte ones fit in the same bytes (minus alignment).
+            cap, cap4 = info["nnz_per_block_capacity"], packed["nnz_per_block_capacity"]
+            assert abs(2 * cap - cap4) <= 4, (cap, cap4)
+    # Two batch groups on 66 blocks each (register build, half warps): still on chip.
+    info = plan("rnn", jnp.float16, 1152, B=8)
+    assert info["float_words"] and info["groups"] == 2 and info["blocks"] == 132, info
+    # LSTM H=4096 fills shared memory with 4-byte words: no float words.
+    info = plan("lstm", jnp.float16, 4096)
+    assert info["reg_weights"] and not info["float_words"], info
+    for args in [("rnn", jnp.float16, 1152), ("rnn", jnp.float16, 5760),
+                 ("lstm", jnp.float16, 1024, 1)]:
+        assert not plan(*args)["float_words"], args  # no register build
+    for args in [("lstm", jnp.float32, 1024), ("rnn", jnp.float32, 1152, 64),
+                 ("rnn", jnp.float32, 4608)]:
+        assert plan(*args)["float_words"], args  # float32: 8-byte words either way
+    monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1")  # forced: even where nonzeros spill
+    info = plan("lstm", jnp.float16, 4096)
+    assert info["float_words"] and not info["on_chip"], info
+    monkeypatch.setenv("SPRNN_CUDA_REG_WEIGHTS", "0")
+    assert not plan("lstm", jnp.float16, 1024)["float_words"]
+
+
+def test_partition_room(monkeypatch):
+    # A unit costs its average nonzeros in the block partition, so no block can get more than
+    # twice the average units: shared memory is reserved for that many (units_cap), not three
+    # times as many, and LSTM H=4096 10% fp16 fits wholly on chip at batch tile 2 (it did not).
+    for cell, H, d in [("rnn", 1152, 0.1), ("lstm", 1024, 0.1), ("lstm", 4096, 0.1),
+                       ("gru", 777, 0.0), ("rnn", 5760, 0.01)]:
+        info = cuda_lowering.plan(cell, jnp.float16, H, 4, nnz_of(cell, H, d), **H200)
+        per_group = info["blocks"] // info["groups"]
+        assert info["units_cap"] <= 2 * H // per_group + 3, (cell, H, d, info)
+    monkeypatch.setenv("SPRNN_CUDA_BT", "2")
+    info = cuda_lowering.plan("lstm", jnp.float16, 4096, 4, nnz_of("lstm", 4096, 0.1), **H200)
+    assert info["batch_tile"] == 2 and info["on_chip"] and not info["reason"], info

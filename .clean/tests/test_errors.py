@@ -1,0 +1,123 @@
+"""Bad input raises a clear Python error before any kernel runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sprnn as sp
+
+H, T, B = 6, 4, 2
+
+
+def weights(gates=1, dtype=np.float32):
+    kernel = np.random.default_rng(0).standard_normal((H, gates * H)).astype(dtype)
+    return sp.SparseWeights.from_dense(kernel)
+
+
+def f32(*shape):
+    return np.zeros(shape, np.float32)
+
+
+def test_xp_rank():
+    with pytest.raises(ValueError, match="time-major"):
+        sp.rnn(f32(B, H), f32(B, H), weights())
+
+
+def test_xp_width():
+    with pytest.raises(ValueError, match="last axis"):
+        sp.lstm(f32(T, B, 3 * H), (f32(B, H), f32(B, H)), weights(4))
+
+
+def test_carry_shape():
+    with pytest.raises(ValueError, match="h0 must have shape"):
+        sp.rnn(f32(T, B, H), f32(B + 1, H), weights())
+    with pytest.raises(ValueError, match="c0 must have shape"):
+        sp.lstm(f32(T, B, 4 * H), (f32(B, H + 1), f32(B, H)), weights(4))
+    with pytest.raises(TypeError, match="pair"):
+        sp.lstm(f32(T, B, 4 * H), f32(B, H), weights(4))
+
+
+def test_wrong_cell_for_weights():
+    with pytest.raises(ValueError, match="gate"):
+        sp.gru(f32(T, B, 3 * H), f32(B, H), weights(4), f32(H))
+
+
+def test_dtype_mismatch():
+    with pytest.raises(TypeError, match="share one dtype"):
+        sp.rnn(f32(T, B, H), np.zeros((B, H), jnp.bfloat16), weights())
+    with pytest.raises(TypeError, match="share one dtype"):
+        sp.rnn(np.zeros((T, B, H), np.float16), np.zeros((B, H), np.float16), weights())
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32])
+def test_unsupported_dtype(dtype):
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        sp.rnn(np.zeros((T, B, H), dtype), np.zeros((B, H), dtype), weights())
+
+
+def test_seq_lengths():
+    w = weights()
+    with pytest.raises(ValueError, match=r"\[0, T=4\]"):
+        sp.rnn(f32(T, B, H), f32(B, H), w, seq_lengths=np.array([5, 1]))
+    with pytest.raises(ValueError, match=r"\[0, T=4\]"):
+        sp.rnn(f32(T, B, H), f32(B, H), w, seq_lengths=np.array([-1, 1]))
+    with pytest.raises(ValueError, match="seq_lengths must have shape"):
+        sp.rnn(f32(T, B, H), f32(B, H), w, seq_lengths=np.array([1, 1, 1]))
+    with pytest.raises(TypeError, match="integers"):
+        sp.rnn(f32(T, B, H), f32(B, H), w, seq_lengths=np.array([1.0, 1.0]))
+
+
+def test_b_hn():
+    with pytest.raises(ValueError, match="b_hn must have shape"):
+        sp.gru(f32(T, B, 3 * H), f32(B, H), weights(3), f32(H + 1))
+
+
+def test_activation_and_implementation():
+    with pytest.raises(ValueError, match="activation"):
+        sp.rnn(f32(T, B, H), f32(B, H), weights(), activation="gelu")
+    with pytest.raises(ValueError, match="implementation"):
+        sp.rnn(f32(T, B, H), f32(B, H), weights(), implementation="magic")
+
+
+def test_not_sparse_weights():
+    with pytest.raises(TypeError, match="SparseWeights"):
+        sp.rnn(f32(T, B, H), f32(B, H), np.eye(H, dtype=np.float32))
+
+
+@pytest.mark.parametrize("shape", [(H,), (H, 2 * H), (H, H + 1), (0, 0), (H, 5 * H)])
+def test_kernel_shape(shape):
+    with pytest.raises(ValueError, match="kernel"):
+        sp.SparseWeights.from_dense(np.ones(shape, np.float32))
+
+
+def test_mask_errors():
+    kernel = np.ones((H, H), np.float32)
+    with pytest.raises(TypeError, match="boolean"):
+        sp.SparseWeights.from_dense(kernel, np.ones((H, H), np.float32))
+    with pytest.raises(ValueError, match="mask shape"):
+        sp.SparseWeights.from_dense(kernel, np.ones((H, H + 1), bool))
+    with pytest.raises(TypeError, match="concrete"):
+        jax.jit(lambda m: sp.SparseWeights.from_dense(kernel, m).values)(np.ones((H, H), bool))
+    with pytest.raises(TypeError, match="explicit concrete mask"):
+        jax.jit(lambda k: sp.SparseWeights.from_dense(k).values)(kernel)
+
+
+def test_stacked_weights_without_vmap():
+    w = weights()
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), w)
+    with pytest.raises(ValueError, match="batch dimensions"):
+        sp.rnn(f32(T, B, H), f32(B, H), stacked)
+
+
+def test_kernel_implementation_requires_compiled_handler(monkeypatch):
+    from jax_sprnn import _ffi
+
+    xp, h0, w = f32(T, B, H), f32(B, H), weights()
+    if jax.default_backend() == "cpu":
+        sp.rnn(xp, h0, w, implementation="kernel")  # built: runs
+        monkeypatch.setattr(_ffi, "CPU_TARGETS", frozenset())
+    else:
+        monkeypatch.setattr(_ffi, "CUDA_TARGETS", frozenset())
+    with pytest.raises(RuntimeError, match="compiled handler"):
+        sp.rnn(xp, h0, w, implementation="kernel")

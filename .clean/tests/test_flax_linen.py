@@ -1,0 +1,191 @@
+"""linen layers: native nn.RNN behaviour, masks, composition, jit and training."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flax_testing import LENGTHS, assert_close_valid, assert_tree_close, inputs, prune_recurrent
+from jax_sprnn.flax import SparseGRU, SparseLSTM, SparseSimpleRNN, StaticMask, from_flax_rnn
+
+H = 6
+CELLS = {
+    "lstm": (SparseLSTM, nn.LSTMCell, 4),
+    "gru": (SparseGRU, nn.GRUCell, 3),
+    "rnn": (SparseSimpleRNN, nn.SimpleCell, 1),
+}
+
+
+def flax_pair(kind, density=0.5, **rnn_kwargs):
+    """A pruned Flax nn.RNN and the equivalent sparse layer with the same variables."""
+    _, cell, _ = CELLS[kind]
+    rnn = nn.RNN(cell(H), **rnn_kwargs)
+    variables = rnn.init(jax.random.key(0), inputs())
+    variables = {"params": prune_recurrent(variables["params"], density)}
+    sparse, sparse_vars = from_flax_rnn(rnn, variables)
+    return rnn, variables, sparse, sparse_vars
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_same_init_and_tree_as_flax_rnn(kind):
+    layer_cls, cell, _ = CELLS[kind]
+    x = inputs()
+    ours = layer_cls(H).init(jax.random.key(3), x)
+    theirs = nn.RNN(cell(H)).init(jax.random.key(3), x)
+    assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
+    assert_tree_close(ours, theirs, atol=0)
+    # Dense pattern: same outputs as Flax.
+    np.testing.assert_allclose(layer_cls(H).apply(ours, x), nn.RNN(cell(H)).apply(theirs, x),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("time_major", [False, True])
+def test_layouts_return_carry_initial_carry(kind, time_major):
+    rnn, variables, sparse, sparse_vars = flax_pair(kind)
+    x = inputs()
+    if time_major:
+        x = jnp.swapaxes(x, 0, 1)
+    carry0 = jax.tree_util.tree_map(lambda c: c + 0.3,
+                                    rnn.cell.initialize_carry(jax.random.key(0), (4, 5)))
+    kw = dict(time_major=time_major, return_carry=True, initial_carry=carry0)
+    c_ref, y_ref = rnn.apply(variables, x, **kw)
+    c, y = sparse.apply(sparse_vars, x, **kw)
+    assert y.shape == ((7, 4, H) if time_major else (4, 7, H))
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+    assert_tree_close(c, c_ref)
+
+
+def test_extra_batch_dims():
+    rnn, variables, sparse, sparse_vars = flax_pair("lstm")
+    x = inputs(batch=6).reshape(2, 3, 7, 5)
+    np.testing.assert_allclose(sparse.apply(sparse_vars, x), rnn.apply(variables, x), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("reverse,keep_order", [(False, False), (True, False), (True, True)])
+def test_seq_lengths_and_reverse(kind, reverse, keep_order):
+    rnn, variables, sparse, sparse_vars = flax_pair(kind)
+    x = inputs()
+    kw = dict(seq_lengths=LENGTHS, reverse=reverse, keep_order=keep_order, return_carry=True)
+    c_ref, y_ref = rnn.apply(variables, x, **kw)
+    c, y = sparse.apply(sparse_vars, x, **kw)
+    assert_close_valid(y, y_ref, LENGTHS)
+    nonempty = LENGTHS > 0  # Flax's carry for a length-0 sequence is undefined; ours is h0
+    assert_tree_close(jax.tree_util.tree_map(lambda a: a[nonempty], c),
+                      jax.tree_util.tree_map(lambda a: a[nonempty], c_ref))
+    for leaf in jax.tree_util.tree_leaves(c):
+        np.testing.assert_array_equal(leaf[~nonempty], 0)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_bidirectional(kind):
+    layer_cls, cell, _ = CELLS[kind]
+    x = inputs()
+    flax_bi = nn.Bidirectional(nn.RNN(cell(H)), nn.RNN(cell(H)))
+    variables = flax_bi.init(jax.random.key(0), x)
+    variables = {"params": prune_recurrent(variables["params"], 0.4)}
+    sparse_bi, sparse_vars = from_flax_rnn(flax_bi, variables)
+    assert isinstance(sparse_bi.forward_rnn, layer_cls)
+    y_ref = flax_bi.apply(variables, x, seq_lengths=LENGTHS)
+    y = sparse_bi.apply(sparse_vars, x, seq_lengths=LENGTHS)
+    assert y.shape == (4, 7, 2 * H)
+    assert_close_valid(y, y_ref, LENGTHS)
+    # Our layers also compose with nn.Bidirectional directly.
+    bi = nn.Bidirectional(layer_cls(H, density=0.3), layer_cls(H, density=0.3, mask_seed=1))
+    out = bi.apply(bi.init(jax.random.key(1), x), x)
+    assert out.shape == (4, 7, 2 * H) and np.all(np.isfinite(out))
+
+
+class Stacked(nn.Module):
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, x, seq_lengths=None):
+        for i in range(self.layers):
+            x = SparseLSTM(H, density=0.25, mask_seed=i, name=f"lstm_{i}")(
+                x, seq_lengths=seq_lengths)
+        return nn.Dense(1)(x)[..., 0]
+
+
+def test_stack_jit_and_train_keeps_pattern():
+    model = Stacked()
+    x = inputs(batch=8)
+    y_true = jnp.sin(jnp.cumsum(x[..., 0], axis=1))
+    params = model.init(jax.random.key(0), x)["params"]
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply({"params": p}, x) - y_true) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    losses = []
+    p = params
+    for _ in range(30):
+        p, opt_state, loss, grads = step(p, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0]
+    # Pruned entries get exactly zero gradient and never move; kept ones train.
+    layer_mask = SparseLSTM(H, density=0.25, mask_seed=0).static_mask.array
+    kernel0 = np.concatenate([params["lstm_0"]["cell"][n]["kernel"]
+                              for n in ("hi", "hf", "hg", "ho")], -1)
+    kernel1 = np.concatenate([p["lstm_0"]["cell"][n]["kernel"]
+                              for n in ("hi", "hf", "hg", "ho")], -1)
+    grad = np.concatenate([grads["lstm_0"]["cell"][n]["kernel"]
+                           for n in ("hi", "hf", "hg", "ho")], -1)
+    assert np.all(grad[~layer_mask] == 0)
+    np.testing.assert_array_equal(kernel1[~layer_mask], kernel0[~layer_mask])
+    assert np.mean(kernel1[layer_mask] != kernel0[layer_mask]) > 0.9
+
+
+def test_masks_static_and_validated():
+    mask = np.zeros((H, 4 * H), bool)
+    mask[:, ::3] = True
+    a, b = SparseLSTM(H, mask=mask), SparseLSTM(H, mask=mask.copy())
+    assert isinstance(a.mask, StaticMask) and hash(a) == hash(b) and a == b
+    assert SparseLSTM(H, density=0.25).static_mask.nnz == round(0.25 * 4 * H * H)
+    assert SparseLSTM(H).static_mask.density == 1.0
+    x = inputs()
+    with pytest.raises(ValueError, match="shape"):
+        SparseLSTM(H, mask=np.ones((H, 3 * H), bool)).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="either mask or density"):
+        SparseGRU(H, mask=np.ones((H, 3 * H), bool), density=0.5).init(jax.random.key(0), x)
+    with pytest.raises(TypeError, match="boolean"):
+        SparseLSTM(H, mask=np.ones((H, 4 * H)))
+    # Values outside the mask are ignored.
+    layer = SparseLSTM(H, mask=mask)
+    variables = layer.init(jax.random.key(0), x)
+    noisy = jax.tree_util.tree_map_with_path(
+        lambda p, v: v + 100.0 * ~mask[:, :H]
+        if p[-2].key == "hi" and p[-1].key == "kernel" else v, variables)
+    np.testing.assert_allclose(layer.apply(noisy, x), layer.apply(variables, x), atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+def test_simple_rnn_activation_and_residual(activation):
+    act = {"tanh": jnp.tanh, "relu": jax.nn.relu}[activation]
+    rnn = nn.RNN(nn.SimpleCell(H, activation_fn=act, residual=True))
+    x = inputs()
+    variables = rnn.init(jax.random.key(0), x)
+    variables = {"params": prune_recurrent(variables["params"], 0.3)}
+    sparse, sparse_vars = from_flax_rnn(rnn, variables)
+    assert sparse.activation == activation and sparse.residual
+    np.testing.assert_allclose(sparse.apply(sparse_vars, x), rnn.apply(variables, x), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+    rnn, variables, _, _ = flax_pair("lstm")
+    layer = SparseLSTM(H, dtype=dtype, mask=np.asarray(
+        np.concatenate([variables["params"]["cell"][n]["kernel"]
+                        for n in ("hi", "hf", "hg", "ho")], -1) != 0))
+    x = inputs()
+    y = layer.apply(variables, x)
+    assert y.dtype == dtype
+    np.testing.assert_allclose(np.asarray(y, np.float32), rnn.apply(variables, x), atol=3e-2)
