@@ -206,9 +206,10 @@ using sprnn::cuda::mbar_try_wait;
 
 // 3. The cluster-shared all-to-all (see the header). The block of rank r polls the r-th of C
 // contiguous ranges of the items (16 bytes each: 4 tagged words; contiguous, so that no 32-byte
-// sector is read by two blocks of a cluster); an item's 4 values (8 bytes) go to slot s % 2 of the tile of every block
-// of the cluster. Two slots and two mbarriers: a peer writes step s + 2 into our slot s % 2 only
-// after it has seen our step s + 2 words, which we publish after our barrier of step s.
+// sector is read by two blocks of a cluster); an item's 4 values (8 bytes) go to slot s % 2 of
+// the tile of every block of the cluster. Two slots and two mbarriers: a peer writes step s + 2
+// into our slot s % 2 only after it has seen our step s + 2 words, which we publish after our
+// barrier of step s.
 __global__ void __launch_bounds__(512, 1)
 all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long long* ns,
                   unsigned long long* rounds, int* abort) {
@@ -262,13 +263,14 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
               (w[i].z >> 16) == tag && (w[i].w >> 16) == tag) {
             pending &= ~(1u << i);
             const int item = lo + k0 + i * nthr;
-            const uint32_t lo = (w[i].x & 0xffffu) | (w[i].y << 16), hi = (w[i].z & 0xffffu) | (w[i].w << 16);
-            mine_tile[item] = make_uint2(lo, hi);
+            const uint32_t v01 = (w[i].x & 0xffffu) | (w[i].y << 16);  // the values, tags dropped
+            const uint32_t v23 = (w[i].z & 0xffffu) | (w[i].w << 16);
+            mine_tile[item] = make_uint2(v01, v23);
             for (int r = 1; r < csize; ++r) {
               const int peer = (rank + r) % csize;
               asm volatile(
                   "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
-                  ::"r"(map_rank(mine_tile + item, peer)), "r"(lo), "r"(hi),
+                  ::"r"(map_rank(mine_tile + item, peer)), "r"(v01), "r"(v23),
                   "r"(map_rank(&bar[s & 1], peer)) : "memory");
             }
           }
@@ -302,7 +304,8 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
     return 2;
   }
   const void* fn = reinterpret_cast<const void*>(all_to_all_shared);
-  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)));
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(nb);
@@ -336,7 +339,8 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
   CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
   CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
   cfg.numAttrs = 2;  // cooperative as well, where the driver takes it with clusters
-  cudaError_t e = cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort);
+  cudaError_t e =
+      cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort);
   const bool coop = e == cudaSuccess;
   if (!coop) {
     (void)cudaGetLastError();
