@@ -1,8 +1,0 @@
-#!/usr/bin/env bash
-# The test command: sets everything up on a fresh machine, then runs the whole test suite.
-set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$repo/scripts/setup_env.sh" test
-cd "$repo"
-echo "==> running the tests"
-"$venv/bin/pytest" tests "$@"
