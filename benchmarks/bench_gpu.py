@@ -41,7 +41,6 @@ Writes results.json, results.md and sweeps.png under --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -58,6 +57,7 @@ from jax import lax  # noqa: E402
 
 import jax_sprnn as sp  # noqa: E402
 from jax_sprnn.primitives.recurrence import GATES  # noqa: E402
+from knobs import knobs_set  # noqa: E402
 
 K = 4          # recurrences per timed call
 REPS = 15
@@ -149,9 +149,6 @@ def chain(run_once, carry0):
 
 
 def method_kernel(cell, act, w, xp, carry, variant=None):
-    if variant is not None:
-        os.environ["SPRNN_CUDA_VARIANT"] = str(variant)
-
     def once(xp, carry):
         if cell == "rnn":
             ys, h = sp.rnn(xp, carry[0], w, act, implementation="kernel")
@@ -163,10 +160,8 @@ def method_kernel(cell, act, w, xp, carry, variant=None):
         ys, (c, h) = sp.lstm(xp, carry, w, implementation="kernel")
         return ys, (c, h)
     f, c0 = chain(once, carry)
-    try:
+    with knobs_set({} if variant is None else {"SPRNN_CUDA_VARIANT": str(variant)}):
         jax.block_until_ready(f(xp, c0))  # lowers now, while the variant is set
-    finally:
-        os.environ.pop("SPRNN_CUDA_VARIANT", None)
     return f, c0
 
 
@@ -279,17 +274,6 @@ SMALL_LAYERS = [FP16_LAYERS[0], FP16_LAYERS[3]]
 
 def fmt(x):
     return "—" if x is None else f"{x:.2f}"
-
-
-@contextlib.contextmanager
-def knobs_set(kn):
-    """Run-time knobs (environment variables the CUDA handler reads at each call) while inside."""
-    os.environ.update(kn)
-    try:
-        yield
-    finally:
-        for k in kn:
-            os.environ.pop(k, None)
 
 
 def time_knobs(f, xp, c0, knobs, row, T):

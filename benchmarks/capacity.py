@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import jax.numpy as jnp
+from knobs import knobs_set
 
 from jax_sprnn.primitives import cuda_lowering
 from jax_sprnn.primitives.recurrence import GATES
@@ -36,20 +36,12 @@ def on_chip(cell, dtype, H, density):
 def largest(cell, dtype, density, tile=None):
     """The largest H held wholly on chip, with a forced tile or not (the bisection assumes that
     a layer that fits at H fits at every smaller H, as the planner's rules are built)."""
-    saved = os.environ.get("SPRNN_CUDA_BT")
-    if tile is not None:
-        os.environ["SPRNN_CUDA_BT"] = str(tile)
-    try:
+    with knobs_set({} if tile is None else {"SPRNN_CUDA_BT": str(tile)}):
         lo, hi = 1, 65535
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if on_chip(cell, dtype, mid, density) else (lo, mid - 1)
         return lo
-    finally:
-        if saved is None:
-            os.environ.pop("SPRNN_CUDA_BT", None)
-        else:
-            os.environ["SPRNN_CUDA_BT"] = saved
 
 
 def main():

@@ -96,10 +96,11 @@ __global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* 
 // the still-pending items. D = 1 is the kernel's gather (a stale item costs a whole L2 round
 // trip); D = 2 or 3 were meant to cut that wait to about a round trip / D, at D times the poll
 // traffic. Measured (NOTES.md, session 7): they do not; the extra polls slow every block.
-// Counts consumed rounds in `rounds`. false on a timeout.
-template <int D, int N>
+// Each item whose 4 words carry the tag goes to accept(item index, its 16 bytes) once. Counts
+// consumed rounds in `rounds`. false on a timeout.
+template <int D, int N, class Accept>
 __device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr, int nitems, unsigned tag,
-                            long long gap, unsigned& sink, unsigned long long& rounds) {
+                            long long gap, Accept&& accept, unsigned long long& rounds) {
   unsigned pending = 0;
   for (int i = 0; i < N; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
   uint4 w[D][N];
@@ -126,7 +127,7 @@ __device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr,
       for (int i = 0; i < N; ++i)
         if (((pending >> i) & 1u) && (w[d][i].x >> 16) == tag && (w[d][i].y >> 16) == tag &&
             (w[d][i].z >> 16) == tag && (w[d][i].w >> 16) == tag) {
-          sink += w[d][i].x ^ w[d][i].w;
+          accept(ib + i * nthr, w[d][i]);
           pending &= ~(1u << i);
         }
       ++rounds;
@@ -183,7 +184,8 @@ all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, lo
       const uint4* s4 = reinterpret_cast<const uint4*>(slot);
       constexpr int N = D == 1 ? 8 : 4;
       for (int ib = tid; ib < nitems && ok; ib += nthr * N) {
-        ok = poll_tagged<D, N>(s4, ib, nthr, nitems, tag, gap, sink, my_rounds);
+        ok = poll_tagged<D, N>(s4, ib, nthr, nitems, tag, gap,
+                               [&](int, const uint4& w) { sink += w.x ^ w.w; }, my_rounds);
         if (!ok) atomicExch(abort, 1);
       }
     }
@@ -241,42 +243,24 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
     if (tid == 0) mbar_arrive_expect(&bar[s & 1], peer_bytes);
     for (int i = tid; i < wpb; i += nthr) st_relaxed(slot + b * wpb + i, (tag << 16) | i);
     const uint4* s4 = reinterpret_cast<const uint4*>(slot);
-    // This block's items, 8 per thread and round in flight, as the kernel's gather.
-    constexpr int N = 8;
-    for (int k0 = tid; k0 < mine && ok; k0 += nthr * N) {
-      unsigned pending = 0;
-      uint4 w[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) pending |= (k0 + i * nthr < mine ? 1u : 0u) << i;
-      long long spins = 0;
-      while (pending && ok) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-          if ((pending >> i) & 1u)
-            asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(w[i].x), "=r"(w[i].y), "=r"(w[i].z), "=r"(w[i].w)
-                         : "l"(s4 + lo + k0 + i * nthr) : "memory");
-        ++my_rounds;
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-          if (((pending >> i) & 1u) && (w[i].x >> 16) == tag && (w[i].y >> 16) == tag &&
-              (w[i].z >> 16) == tag && (w[i].w >> 16) == tag) {
-            pending &= ~(1u << i);
-            const int item = lo + k0 + i * nthr;
-            const uint32_t v01 = (w[i].x & 0xffffu) | (w[i].y << 16);  // the values, tags dropped
-            const uint32_t v23 = (w[i].z & 0xffffu) | (w[i].w << 16);
-            mine_tile[item] = make_uint2(v01, v23);
-            for (int r = 1; r < csize; ++r) {
-              const int peer = (rank + r) % csize;
-              asm volatile(
-                  "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
-                  ::"r"(map_rank(mine_tile + item, peer)), "r"(v01), "r"(v23),
-                  "r"(map_rank(&bar[s & 1], peer)) : "memory");
-            }
-          }
-        if (pending && ++spins > kMaxSpins) ok = false;
+    // This block's items, 8 per thread and round in flight, as the kernel's gather: each one's
+    // values into this block's tile and, by st.async, into every peer's.
+    auto accept = [&](int k, const uint4& w) {
+      const int item = lo + k;
+      const uint32_t v01 = (w.x & 0xffffu) | (w.y << 16);  // the values, tags dropped
+      const uint32_t v23 = (w.z & 0xffffu) | (w.w << 16);
+      mine_tile[item] = make_uint2(v01, v23);
+      for (int r = 1; r < csize; ++r) {
+        const int peer = (rank + r) % csize;
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+            ::"r"(map_rank(mine_tile + item, peer)), "r"(v01), "r"(v23),
+            "r"(map_rank(&bar[s & 1], peer)) : "memory");
       }
-    }
+    };
+    constexpr int N = 8;
+    for (int k0 = tid; k0 < mine && ok; k0 += nthr * N)
+      ok = poll_tagged<1, N>(s4 + lo, k0, nthr, mine, tag, 0, accept, my_rounds);
     // Every thread waits for the peers' bytes of this step (phase s / 2 of slot s % 2).
     for (long long i = 0; ok && !mbar_try_wait(&bar[s & 1], (s >> 1) & 1); )
       if (++i > kMaxSpins) ok = false;
