@@ -16,6 +16,8 @@
 # exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
+# cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
+#   for the configurations in CLUSTER_REG_CONFIGS (H:density:T:csize:lanes:mode:order).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
 #   variant 3 vs 5 on the targets (bench_gpu.py --cluster). Fits one 8-minute call.
 set -uo pipefail
@@ -58,6 +60,11 @@ if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange
   for cfg in ${EXCHANGE_CONFIGS:-132:384:2000:4 132:384:2000:16 132:384:2000:20 132:384:2000:36 132:384:2000:72 132:384:2000:20:1 66:384:2000:72}; do  # blocks:threads:steps:words:flagged
     timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
   done
+  exit 0
+fi
+if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -Ibenchmarks benchmarks/cluster_reg_probe.cu -o /tmp/cluster_reg_probe || exit 1
+  timeout "${PROBE_TIMEOUT:-300}" /tmp/cluster_reg_probe ${CLUSTER_REG_CONFIGS:-1152:0.1:2000:16:8:0:1 1152:0.1:2000:16:8:1:1} 2>&1 | tee -a "$OUT/cluster_reg.txt"
   exit 0
 fi
 if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
