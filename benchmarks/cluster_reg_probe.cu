@@ -49,7 +49,7 @@ struct Args {
   const uint32_t* off;  // [cta][k][thread]: byte offset of h[col] in the tile (col * 8)
   uint32_t* gwords;     // modes 1, 2: 2 slots x H x 4 tagged words in global memory
   int* abort;
-  unsigned long long* ns;  // CTA 0's time over the steps
+  unsigned long long* ns;  // CTA 0's time over the steps, then thread 0's clocks per phase
   int H, T, mode, csize;
 };
 
@@ -120,15 +120,22 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
     publish(0, 1u, z);
   }
   bool failed = false;
+  // xp two steps ahead (a DRAM round trip is longer than a step): x0 is step s's, x1 step s+1's.
+  __half x0[kB], x1[kB], x2[kB];
+  auto load_x = [&](int s, __half* x) {
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+      x[b] = has && s < a.T ? a.xp[(static_cast<long long>(s) * kB + b) * H + unit] : __float2half(0.f);
+  };
+  load_x(0, x0);
+  load_x(1, x1);
+  long long phase[3] = {0, 0, 0};  // CTA 0, thread 0: clocks in poll, rows + reduction, update
   const unsigned long long t0 = global_ns();
   for (int s = 0; s < a.T; ++s) {
     const int slot = s & 1;
     const uint32_t tag = static_cast<uint32_t>(s % 65535 + 1);
-    float x[kB] = {0.f, 0.f, 0.f, 0.f};
-    if (has) {
-#pragma unroll
-      for (int b = 0; b < kB; ++b) x[b] = __half2float(a.xp[(static_cast<long long>(s) * kB + b) * H + unit]);
-    }
+    const long long c0 = clock64();
+    load_x(s + 2, x2);
     // Poll this thread's units until their 4 words carry the step's tag, then unpack.
     unsigned pending = 0;
 #pragma unroll
@@ -170,6 +177,7 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
       failed = true;
       break;
     }
+    const long long c1 = clock64();
     // Rows: NPL nonzeros per lane from registers, the h values from the fp16 tile.
     const unsigned char* tb = reinterpret_cast<const unsigned char*>(tile + slot * H);
     float acc[kB] = {0.f, 0.f, 0.f, 0.f};
@@ -187,9 +195,10 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
     for (int m = L / 2; m > 0; m >>= 1)
 #pragma unroll
       for (int b = 0; b < kB; ++b) acc[b] += __shfl_xor_sync(0xffffffffu, acc[b], m);
+    const long long c2 = clock64();
     __half h[kB];
 #pragma unroll
-    for (int b = 0; b < kB; ++b) h[b] = __float2half_rn(fmaxf(acc[b] + x[b], 0.f));
+    for (int b = 0; b < kB; ++b) h[b] = __float2half_rn(fmaxf(acc[b] + __half2float(x0[b]), 0.f));
     if (has && lane < kB) {
       __half mine = h[0];
 #pragma unroll
@@ -197,8 +206,20 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
       a.ys[(static_cast<long long>(s) * kB + lane) * H + unit] = mine;
     }
     publish(slot ^ 1, static_cast<uint32_t>((s + 1) % 65535 + 1), h);
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      x0[b] = x1[b];
+      x1[b] = x2[b];
+    }
+    const long long c3 = clock64();
+    phase[0] += c1 - c0;
+    phase[1] += c2 - c1;
+    phase[2] += c3 - c2;
   }
-  if (rank == 0 && tid == 0) a.ns[0] = global_ns() - t0;
+  if (rank == 0 && tid == 0) {
+    a.ns[0] = global_ns() - t0;
+    for (int i = 0; i < 3; ++i) a.ns[1 + i] = static_cast<unsigned long long>(phase[i]);
+  }
   if (clustered) {  // no CTA exits while a peer may still store into it
     sprnn::cuda::cluster_arrive();
     sprnn::cuda::cluster_wait();
@@ -314,7 +335,7 @@ int run(const Config& c) {
   CHECK(cudaMalloc(&d_off, off.size() * sizeof(uint32_t)));
   CHECK(cudaMalloc(&d_words, 2 * static_cast<size_t>(H) * kB * sizeof(uint32_t)));
   CHECK(cudaMalloc(&d_abort, sizeof(int)));
-  CHECK(cudaMalloc(&d_ns, sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&d_ns, 4 * sizeof(unsigned long long)));
   CHECK(cudaMemcpy(d_xp, xp.data(), xp.size() * sizeof(__half), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(d_wt, wt.data(), wt.size() * sizeof(float), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(d_off, off.data(), off.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
@@ -351,6 +372,10 @@ int run(const Config& c) {
   }
   Args a{d_xp, d_ys, d_wt, d_off, d_words, d_abort, d_ns, H, T, c.mode, cs};
   std::vector<double> per_step;
+  double phase_us[3] = {0, 0, 0};  // of the last launch
+  int clock_khz = 0;
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  const double clock_ghz = clock_khz / 1e6;
   int flag = 0;
   for (int rep = 0; rep < 6 && !flag; ++rep) {
     CHECK(cudaMemset(d_words, 0, 2 * static_cast<size_t>(H) * kB * sizeof(uint32_t)));
@@ -360,9 +385,10 @@ int run(const Config& c) {
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     CHECK(cudaMemcpy(&flag, d_abort, sizeof(int), cudaMemcpyDeviceToHost));
-    unsigned long long ns = 0;
-    CHECK(cudaMemcpy(&ns, d_ns, sizeof(ns), cudaMemcpyDeviceToHost));
-    if (rep > 0) per_step.push_back(ns / 1000.0 / T);
+    unsigned long long ns[4] = {0, 0, 0, 0};
+    CHECK(cudaMemcpy(ns, d_ns, sizeof(ns), cudaMemcpyDeviceToHost));
+    if (rep > 0) per_step.push_back(ns[0] / 1000.0 / T);
+    for (int i = 0; i < 3; ++i) phase_us[i] = ns[1 + i] / clock_ghz / 1000.0 / T;
   }
   const char* names[] = {"dsmem", "L2 in cluster", "L2 no cluster"};
   if (flag) {
@@ -390,10 +416,11 @@ int run(const Config& c) {
     hprev.swap(hnext);
   }
   std::printf("H=%d d=%.2f nnz=%zu csize=%d lanes=%d NPL=%d threads=%d regs=%d local=%zu B "
-              "order=%d mode %s: %.3f us/step (min %.3f, max %.3f), max err %.2e (peak %.2f)\n",
+              "order=%d mode %s: %.3f us/step (min %.3f, max %.3f; CTA 0 thread 0: poll %.3f "
+              "rows %.3f update %.3f), max err %.2e (peak %.2f)\n",
               H, c.density, nnz, cs, L, npl, threads, fa.numRegs, fa.localSizeBytes, c.order,
               names[c.mode], per_step[per_step.size() / 2], per_step.front(), per_step.back(),
-              err, peak);
+              phase_us[0], phase_us[1], phase_us[2], err, peak);
   CHECK(cudaFree(d_xp));
   CHECK(cudaFree(d_ys));
   CHECK(cudaFree(d_wt));
