@@ -1,0 +1,33 @@
+"""The standalone GPU probes in benchmarks/ (step_probe.cu, exchange_probe.cu,
+cluster_reg_probe.cu) still build against the kernel headers, with the flags
+benchmarks/gpu_check.sh uses: they include csrc/cuda/*.cuh, so a kernel change can break them
+without any package test noticing, and a broken probe would only show on the GPU machine.
+Needs nvcc (skipped without it); builds for sm_90, as on the H200.
+"""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC = shutil.which("nvcc")
+
+# probe -> the extra nvcc flags of its gpu_check.sh mode
+PROBES = {
+    "step_probe": ["-DSPRNN_STEP_PROBE"],
+    "exchange_probe": [],
+    "cluster_reg_probe": [],
+}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_probe_builds(probe, tmp_path):
+    exe = tmp_path / probe
+    cmd = [NVCC, "-O3", "-std=c++17", "-arch=sm_90", *PROBES[probe], "-Icsrc",
+           os.path.join("benchmarks", probe + ".cu"), "-o", str(exe)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert exe.stat().st_size > 0
