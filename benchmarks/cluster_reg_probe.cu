@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
     publish(0, 1u, z);
   }
   bool failed = false;
-  // xp two steps ahead (a DRAM round trip is longer than a step): x0 is step s's, x1 step s+1's.
+  // xp two steps ahead: x0 is step s's, x1 step s+1's. (Measured ~0.2 us/step slower than
+  // loading step s's at its start, 7d76e1c: the moves below wait for the pending loads.)
   __half x0[kB], x1[kB], x2[kB];
   auto load_x = [&](int s, __half* x) {
 #pragma unroll
