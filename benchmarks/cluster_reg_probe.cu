@@ -8,6 +8,8 @@
 // step, weights and indices loaded from shared memory, one warp per row). Here each lane holds
 // its NPL nonzeros as (float weight, byte offset of h[col]) in registers, L lanes per row, so a
 // nonzero costs one 8-byte shared load of the 4 batch values, 4 conversions and 4 FMAs.
+// Result (benchmarks/NOTES.md, session 21): no. ReLU H=1152 ran at 1.97 us/step (L2 mode) and
+// 1.63 with no nonzeros at all: the 16 CTAs' exchange alone costs more than the default's step.
 //
 // Standalone like step_probe.cu: ReLU RNN, B = 4, fp16 h and xp, float32 accumulation. Modes:
 //   0: the exchange through distributed shared memory: each row group stores its unit's 4
