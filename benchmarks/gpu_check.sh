@@ -63,7 +63,7 @@ if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange
   exit 0
 fi
 if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -Ibenchmarks benchmarks/cluster_reg_probe.cu -o /tmp/cluster_reg_probe || exit 1
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/cluster_reg_probe.cu -o /tmp/cluster_reg_probe || exit 1
   timeout "${PROBE_TIMEOUT:-300}" /tmp/cluster_reg_probe ${CLUSTER_REG_CONFIGS:-1152:0.1:2000:16:8:0:1 1152:0.1:2000:16:8:1:1} 2>&1 | tee -a "$OUT/cluster_reg.txt"
   exit 0
 fi
