@@ -35,7 +35,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/cluster_kernel.cuh"  // global_ns, map_rank, cluster_arrive / cluster_wait
+#include "cuda/cluster_kernel.cuh"  // global_ns, ld_relaxed_v4_if, map_rank, cluster barrier
 #include "cuda_check.h"
 
 using sprnn::cuda::global_ns;
@@ -73,10 +73,6 @@ __device__ __forceinline__ void ld_cluster_v4(const uint32_t* p, uint32_t* w) {
 __device__ __forceinline__ void st_gpu_v4(uint32_t* p, const uint32_t* w) {
   asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]),
                "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-}
-__device__ __forceinline__ void ld_gpu_v4(const uint32_t* p, uint32_t* w) {
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p) : "memory");
 }
 
 template <int NPL, int L>
@@ -154,7 +150,7 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
         if (dsmem) {
           ld_cluster_v4(p, v[i]);
         } else {
-          ld_gpu_v4(p, v[i]);
+          sprnn::cuda::ld_relaxed_v4_if(p, v[i], 1u);  // the kernel's gather load
         }
       }
 #pragma unroll

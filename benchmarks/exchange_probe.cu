@@ -204,6 +204,7 @@ using sprnn::cuda::map_rank;
 using sprnn::cuda::mbar_arrive_expect;
 using sprnn::cuda::mbar_init;
 using sprnn::cuda::mbar_try_wait;
+using sprnn::cuda::st_async;
 #endif
 
 // 3. The cluster-shared all-to-all (see the header). The block of rank r polls the r-th of C
@@ -250,12 +251,10 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
       const uint32_t v01 = (w.x & 0xffffu) | (w.y << 16);  // the values, tags dropped
       const uint32_t v23 = (w.z & 0xffffu) | (w.w << 16);
       mine_tile[item] = make_uint2(v01, v23);
+      const float v[2] = {__uint_as_float(v01), __uint_as_float(v23)};  // bits, not values
       for (int r = 1; r < csize; ++r) {
         const int peer = (rank + r) % csize;
-        asm volatile(
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
-            ::"r"(map_rank(mine_tile + item, peer)), "r"(v01), "r"(v23),
-            "r"(map_rank(&bar[s & 1], peer)) : "memory");
+        st_async<2>(map_rank(mine_tile + item, peer), v, map_rank(&bar[s & 1], peer));
       }
     };
     constexpr int N = 8;
