@@ -144,9 +144,10 @@ __device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr,
 // and round, `depth` rounds in flight (poll_tagged). Flagged: raw words, then one release flag
 // per block; a reader's threads poll the nb flags (acquire), barrier, then read the words once.
 // Both end with a block barrier, like the kernel's gather. rounds: poll rounds consumed.
-// N = 8 items per thread and batch at D = 1, else 4 (registers).
-template <int D>
-__global__ void __launch_bounds__(512, 1)
+// N = 8 items per thread and batch at D = 1, else 4 (registers). kMaxThreads 1024 (D = 1
+// only) is the thread count of DESIGN.md's exchange floor; it caps the registers at 64.
+template <int D, int kMaxThreads = 512>
+__global__ void __launch_bounds__(kMaxThreads, 1)
 all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, long long gap,
            unsigned long long* ns,
                            unsigned long long* rounds, int* abort) {
@@ -365,11 +366,12 @@ int main(int argc, char** argv) {
   const int share = argc > 8 ? std::atoi(argv[8]) : 0;
   const int smem_kb = argc > 9 ? std::atoi(argv[9]) : 200;
   if (share > 0) return shared_all_to_all(nb, threads, steps, wpb, share, smem_kb);
-  if (nb < 2 || nb > sms || threads < 32 || threads > 512 || steps < 1 || wpb < 4 || wpb % 4 ||
-      depth < 1 || depth > 3 || gap < 0) {
+  if (nb < 2 || nb > sms || threads < 32 || threads > (depth == 1 ? 1024 : 512) || steps < 1 ||
+      wpb < 4 || wpb % 4 || depth < 1 || depth > 3 || gap < 0) {
     std::fprintf(stderr,
-                 "usage: exchange_probe [blocks 2..%d] [threads 32..512] [steps] [words per block, "
-                 "multiple of 4] [flagged 0/1] [poll depth 1..3] [gap cycles]\n", sms);
+                 "usage: exchange_probe [blocks 2..%d] [threads 32..512, or ..1024 at depth 1] "
+                 "[steps] [words per block, multiple of 4] [flagged 0/1] [poll depth 1..3] "
+                 "[gap cycles]\n", sms);
     return 2;
   }
   unsigned *words, *flags, *sm_of;
@@ -423,6 +425,7 @@ int main(int argc, char** argv) {
     void* args[] = {&words, &flags, &st, &w, &f, &g, &ns, &rounds, &abort};
     const void* fn = depth >= 3   ? reinterpret_cast<const void*>(all_to_all<3>)
                      : depth == 2 ? reinterpret_cast<const void*>(all_to_all<2>)
+                     : threads > 512 ? reinterpret_cast<const void*>(all_to_all<1, 1024>)
                                   : reinterpret_cast<const void*>(all_to_all<1>);
     CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb),
                                       dim3(threads), args, 0, nullptr));
