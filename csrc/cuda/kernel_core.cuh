@@ -1210,17 +1210,13 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         // are issued before any tag is checked, and only the pending ones are polled again.
         // Branch-free on the common path (predicated loads): this loop's instructions were
         // most of a small layer's step (step probe profile, benchmarks/NOTES.md).
-#ifndef SPRNN_GATHER_THREADS
-#define SPRNN_GATHER_THREADS 0
-#endif
-        const int gthr = SPRNN_GATHER_THREADS > 0 && SPRNN_GATHER_THREADS < nthr ? SPRNN_GATHER_THREADS : nthr;
-        for (int ib = tid; tid < gthr && ib < nitems && !aborted; ib += gthr * K) {
-          const int left = ib + (K - 1) * gthr < nitems ? K : (nitems - ib + gthr - 1) / gthr;
+        for (int ib = tid; ib < nitems && !aborted; ib += nthr * K) {
+          const int left = ib + (K - 1) * nthr < nitems ? K : (nitems - ib + nthr - 1) / nthr;
           unsigned int pending = left >= K ? (1u << K) - 1u : (1u << left) - 1u;
           if (filter) {
 #pragma unroll
             for (int i = 0; i < K; ++i) {
-              const int u = (ib + i * gthr) / kCPU;
+              const int u = (ib + i * nthr) / kCPU;
               if ((pending >> i) & 1u) pending &= ~(((~cmask[u >> 5] >> (u & 31)) & 1u) << i);
             }
           }
@@ -1229,7 +1225,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
             X w[K][kCW] = {};
 #pragma unroll
             for (int i = 0; i < K; ++i)
-              load_x<X, kCW>(src + static_cast<long long>(ib + i * gthr) * kCW, w[i], (pending >> i) & 1u);
+              load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
 #pragma unroll
             for (int i = 0; i < K; ++i) {
               if (i >= left) break;  // items past the end: none in this round
@@ -1240,7 +1236,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
                 uint32_t bits[kCW];
 #pragma unroll
                 for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
-                store_h<S, BT, kCW, kWide>(h_s, H, ib + i * gthr, bits);
+                store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
                 pending &= ~(1u << i);
               }
             }
