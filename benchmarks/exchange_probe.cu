@@ -1,6 +1,7 @@
 // Exchange probe: the latency of the grid-wide h exchange alone, without the RNN, to tell how
 // much of a small layer's ~0.8 us gather (step_probe.cu) is the L2 itself. Standalone, like
-// step_probe.cu. Results: benchmarks/NOTES.md, session 6.
+// step_probe.cu. Results: benchmarks/NOTES.md, sessions 6, 7, 19, 20
+// and 22 (threads per block: 256 is the fastest, 1024 the slowest).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
 //   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
