@@ -118,23 +118,18 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
     publish(0, 1u, z);
   }
   bool failed = false;
-  // xp two steps ahead: x0 is step s's, x1 step s+1's. (Measured ~0.2 us/step slower than
-  // loading step s's at its start, 7d76e1c: the moves below wait for the pending loads.)
-  __half x0[kB], x1[kB], x2[kB];
-  auto load_x = [&](int s, __half* x) {
-#pragma unroll
-    for (int b = 0; b < kB; ++b)
-      x[b] = has && s < a.T ? a.xp[(static_cast<long long>(s) * kB + b) * H + unit] : __float2half(0.f);
-  };
-  load_x(0, x0);
-  load_x(1, x1);
   long long phase[3] = {0, 0, 0};  // CTA 0, thread 0: clocks in poll, rows + reduction, update
   const unsigned long long t0 = global_ns();
   for (int s = 0; s < a.T; ++s) {
     const int slot = s & 1;
     const uint32_t tag = static_cast<uint32_t>(s % 65535 + 1);
     const long long c0 = clock64();
-    load_x(s + 2, x2);
+    // Step s's xp, loaded now and used after the rows, so the load hides behind the poll.
+    // (Loading two steps ahead through register moves was ~0.2 us/step slower: NOTES session 21.)
+    __half x[kB];
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+      x[b] = has ? a.xp[(static_cast<long long>(s) * kB + b) * H + unit] : __float2half(0.f);
     // Poll this thread's units until their 4 words carry the step's tag, then unpack.
     unsigned pending = 0;
 #pragma unroll
@@ -197,7 +192,7 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
     const long long c2 = clock64();
     __half h[kB];
 #pragma unroll
-    for (int b = 0; b < kB; ++b) h[b] = __float2half_rn(fmaxf(acc[b] + __half2float(x0[b]), 0.f));
+    for (int b = 0; b < kB; ++b) h[b] = __float2half_rn(fmaxf(acc[b] + __half2float(x[b]), 0.f));
     if (has && lane < kB) {
       __half mine = h[0];
 #pragma unroll
@@ -205,11 +200,6 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
       a.ys[(static_cast<long long>(s) * kB + lane) * H + unit] = mine;
     }
     publish(slot ^ 1, static_cast<uint32_t>((s + 1) % 65535 + 1), h);
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      x0[b] = x1[b];
-      x1[b] = x2[b];
-    }
     const long long c3 = clock64();
     phase[0] += c1 - c0;
     phase[1] += c2 - c1;

@@ -285,7 +285,7 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
   const size_t tile_bytes = 2 * static_cast<size_t>(nitems) * 8;
   const size_t smem = std::max(tile_bytes, static_cast<size_t>(smem_kb) * 1024);
   if (nb % csize || wpb % 4 || threads > 512) {
-    std::fprintf(stderr, "share: blocks must be a multiple of the cluster size, wpb of 4\n");
+    std::fprintf(stderr, "share: blocks must be a multiple of the cluster size, wpb of 4, threads <= 512\n");
     return 2;
   }
   const void* fn = reinterpret_cast<const void*>(all_to_all_shared);

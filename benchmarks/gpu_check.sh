@@ -35,12 +35,16 @@ PY=python3
   echo "commit: $SPRNN_COMMIT"
 } | tee "$OUT/env.txt"
 
+# The standalone probes (benchmarks/*_probe.cu) build with these flags; tests/test_probes_build.py
+# builds them the same way in CI.
+PROBE_NVCC=(nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc)
+
 if [ "$MODE" = probe ]; then
   # PROBE_BUILDS: space-separated name=flags (flags joined by commas), one probe binary each.
   # The builds run side by side (one nvcc each), then the probes one at a time.
   for build in ${PROBE_BUILDS:-base=}; do
     name="${build%%=*}"; flags="${build#*=}"
-    nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
+    "${PROBE_NVCC[@]}" -DSPRNN_STEP_PROBE ${flags//,/ } benchmarks/step_probe.cu \
       -o "/tmp/step_probe_$name" > "/tmp/step_probe_$name.log" 2>&1 &
   done
   wait
@@ -56,21 +60,21 @@ if [ "$MODE" = probe ]; then
   exit 0
 fi
 if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange alone
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
+  "${PROBE_NVCC[@]}" benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
   for cfg in ${EXCHANGE_CONFIGS:-132:384:2000:4 132:384:2000:16 132:384:2000:20 132:384:2000:36 132:384:2000:72 132:384:2000:20:1 66:384:2000:72}; do  # blocks:threads:steps:words:flagged
     timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
   done
   exit 0
 fi
 if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/cluster_reg_probe.cu -o /tmp/cluster_reg_probe || exit 1
+  "${PROBE_NVCC[@]}" benchmarks/cluster_reg_probe.cu -o /tmp/cluster_reg_probe || exit 1
   timeout "${PROBE_TIMEOUT:-300}" /tmp/cluster_reg_probe ${CLUSTER_REG_CONFIGS:-1152:0.1:2000:16:8:0:1 1152:0.1:2000:16:8:1:1} 2>&1 | tee -a "$OUT/cluster_reg.txt"
   exit 0
 fi
 if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
   # PROBE_FLAGS: extra nvcc flags for the profiled build (comma-separated, as in PROBE_BUILDS).
   flags="${PROBE_FLAGS:-}"
-  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -DSPRNN_STEP_PROBE ${flags//,/ } -Icsrc benchmarks/step_probe.cu \
+  "${PROBE_NVCC[@]}" -lineinfo -DSPRNN_STEP_PROBE ${flags//,/ } benchmarks/step_probe.cu \
     -o /tmp/step_probe_prof || exit 1
   i=0
   for cfg in ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0}; do

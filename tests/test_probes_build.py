@@ -6,6 +6,8 @@ Needs nvcc (skipped without it); builds for sm_90, as on the H200.
 """
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 
@@ -13,6 +15,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc")
+
+
+def gpu_check_nvcc():
+    """The probes' compiler command, as gpu_check.sh defines it (PROBE_NVCC=(...))."""
+    with open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")) as f:
+        m = re.search(r"^PROBE_NVCC=\((.*)\)$", f.read(), re.MULTILINE)
+    assert m, "gpu_check.sh no longer defines PROBE_NVCC"
+    return shlex.split(m.group(1))
+
 
 # probe -> the extra nvcc flags of its gpu_check.sh mode
 PROBES = {
@@ -26,8 +37,9 @@ PROBES = {
 @pytest.mark.parametrize("probe", sorted(PROBES))
 def test_probe_builds(probe, tmp_path):
     exe = tmp_path / probe
-    cmd = [NVCC, "-O3", "-std=c++17", "-arch=sm_90", *PROBES[probe], "-Icsrc",
-           os.path.join("benchmarks", probe + ".cu"), "-o", str(exe)]
+    nvcc, *flags = gpu_check_nvcc()
+    assert nvcc == "nvcc"
+    cmd = [NVCC, *flags, *PROBES[probe], os.path.join("benchmarks", probe + ".cu"), "-o", str(exe)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert exe.stat().st_size > 0
