@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(L == 4 ? 384 : 640, 1) cluster_reg_rnn(Args a)
     const uint32_t tag = static_cast<uint32_t>(s % 65535 + 1);
     const long long c0 = clock64();
     // Step s's xp, loaded now and used after the rows, so the load hides behind the poll.
-    // (Loading two steps ahead through register moves was ~0.2 us/step slower: NOTES session 21.)
+    // (Loading two steps ahead through register moves was slower: NOTES sessions 21 and 22.)
     __half x[kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b)
