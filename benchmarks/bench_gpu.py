@@ -310,6 +310,9 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--targets", action="store_true")
     ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("--ncu", action="store_true",
+                    help="--ablation: also each variant's shared-memory bank conflicts, "
+                    "wavefronts and load instructions, counted by ncu (benchmarks/ncu_counts.py)")
     ap.add_argument("--sweeps", action="store_true")
     ap.add_argument("--batch", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -465,18 +468,33 @@ def main():
                          f"{fmt(tgt)} | {how} |")
             save()
     if args.ablation:
-        lines += ["", "## Ablation (ReLU H=1152, d=10%, fp16, B=4, T=256)", "",
-                  "| variant | us/step | speed-up vs JAX dense scan | vs best dense peer |",
-                  "|---|---|---|---|"]
-        r = bench_config("rnn", "relu", 1152, 4, T, 0.1, jnp.float16, variants=(0, 1, 2, 3))
-        res["ablation"].append(r)
+        from ncu_counts import shared_counts  # noqa: PLC0415
+
         names = {0: "(a) naive persistent + grid barrier", 1: "(b) + wide loads",
                  2: "(c) + bank-aware order", 3: "(d) + Lamport exchange"}
+        lines += ["", "## Ablation (ReLU H=1152, d=10%, fp16, B=4, T=256)", ""]
+        if args.ncu:
+            lines += ["Shared-memory loads counted by ncu on one T=32 call (first kernel): bank "
+                      "conflicts / wavefronts / load instructions.", ""]
+        cols = ["us/step", "speed-up vs JAX dense scan", "vs best dense peer"]
+        cols += ["kernel us/step"] if DEVICE_TIME else []
+        cols += ["bank conflicts", "wavefronts", "shared loads"] if args.ncu else []
+        lines += ["| variant | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        r = bench_config("rnn", "relu", 1152, 4, T, 0.1, jnp.float16, variants=(0, 1, 2, 3))
+        res["ablation"].append(r)
         for v in range(4):
             t = r[f"variant_{v}"]
-            lines.append(f"| {names[v]} | {t:.2f} | {r['jax_scan'] / t:.2f}x | "
-                         f"{r['best_peer'] / t:.2f}x |")
-        lines.append(f"| dense JAX scan | {r['jax_scan']:.2f} | 1.00x | |")
+            cells = [f"{t:.2f}", f"{r['jax_scan'] / t:.2f}x", f"{r['best_peer'] / t:.2f}x"]
+            if DEVICE_TIME:
+                cells.append(fmt(r[f"variant_{v}_kernel"]))
+            if args.ncu:
+                counts = r[f"variant_{v}_ncu"] = shared_counts(v)
+                print(json.dumps(dict(variant=v, ncu=counts)), flush=True)
+                cells += ([f"{counts[k]:,}" for k in ("bank_conflicts", "wavefronts",
+                                                      "shared_loads")]
+                          if "error" not in counts else [counts["error"], "", ""])
+            lines.append(f"| {names[v]} | " + " | ".join(cells) + " |")
+        lines.append(f"| dense JAX scan | {r['jax_scan']:.2f} | 1.00x | |" + " |" * (len(cols) - 3))
         save()
     if args.batch:
         lines += ["", "## Batch sweep (ReLU H=1152, d=10%, fp16)", "",

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU run: build, then the whole test suite, the benchmark (+ ncu bank-conflict counts) or
+# One GPU run: build, then the whole test suite, the benchmark (its ablation with ncu's
+# bank-conflict counts: bench_gpu.py --ablation --ncu) or
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
@@ -136,15 +137,7 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   if [ "$MODE" = quick ]; then
     timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --tune --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
   else
-    timeout 420 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --batch --sweeps --quick 2>&1 | tee "$OUT/bench.log" | tail -45
-  fi
-  if command -v ncu >/dev/null && [ "$MODE" != quick ]; then
-    for v in 1 2 3; do
-      timeout 45 ncu --clock-control none -k regex:persistent_fwd -c 1 \
-        --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__sass_inst_executed_op_shared_ld.sum \
-        $PY benchmarks/bench_gpu.py --ncu-one $v > "$OUT/ncu_variant$v.txt" 2>&1
-      grep -E "bank_conflicts|wavefronts|inst_executed" "$OUT/ncu_variant$v.txt" | sed "s/^/variant $v: /"
-    done | tee "$OUT/ncu_summary.txt"
+    timeout 480 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --ncu --batch --sweeps --quick 2>&1 | tee "$OUT/bench.log" | tail -45
   fi
 fi
 if [ "$MODE" = batch ]; then  # the batch sweep first, then the large-tile kernel tests
