@@ -1,10 +1,13 @@
 """Times the sparse persistent kernel against dense JAX peers on the same inputs, in one run.
 
-    python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation] [--sweeps] [--quick]
+    python benchmarks/bench_gpu.py --out DIR [--targets] [--ablation [--ncu]] [--sweeps] [--quick]
                                    [--batch] [--tune] [--groups] [--cluster] [--deep]
                                    [--spread] [--dtype-spread] [--overhead] [--device-time]
                                    [--reg] [--threads] [--on-chip] [--wait]
 
+--ablation: the paper's variants (a)-(d) of the kernel side by side with the dense peers; with
+--ncu also each variant's shared-memory bank conflicts, wavefronts and load instructions
+(Nsight Compute, benchmarks/ncu_counts.py), with --device-time their kernel time.
 --cluster: variant 3 (grid-wide Lamport exchange) vs 5 (sm_90 thread block clusters) on the
 target configurations, the batch sweep's B=1/16/64 and smaller clusters (SPRNN_CUDA_CLUSTER).
 --spread: one plan timed 8 times in turn, with and without the per-call sync check
