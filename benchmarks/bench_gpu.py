@@ -229,16 +229,20 @@ def time_method(row, key, f, args, steps):
             row[key + "_kernel"] = d["kernel"] / steps
 
 
+def variant_weights(kernel, mask, variant):
+    """The packed weights a kernel variant runs on: variants (a) and (b) in plain column order
+    (the ablation's steps before the bank-aware order), every other one in the default order."""
+    bank = {"bank_period": 0} if variant in (0, 1) else {}
+    return sp.SparseWeights.from_dense(kernel, mask, **bank)
+
+
 def bench_config(cell, act, H, B, T, density, dtype, peers=True, variants=(None,)):
     kernel, mask, xp, h0 = problem(cell, H, B, T, density, dtype)
     carry = initial_carry(cell, h0)
     row = dict(cell=cell, act=act, H=H, B=B, T=T, density=density, dtype=jnp.dtype(dtype).name)
     steps = K * T
     for v in variants:
-        bank = 0 if v in (0, 1) else None
-        w = (sp.SparseWeights.from_dense(kernel, mask, bank_period=0) if bank == 0
-             else sp.SparseWeights.from_dense(kernel, mask))
-        f, c0 = method_kernel(cell, act, w, xp, carry, v)
+        f, c0 = method_kernel(cell, act, variant_weights(kernel, mask, v), xp, carry, v)
         key = "sparse_persistent" if v is None else f"variant_{v}"
         time_method(row, key, f, (xp, c0), steps)
     if peers:
@@ -357,8 +361,7 @@ def main():
     DEVICE_TIME = args.device_time or args.reg or args.threads or args.on_chip
     if args.ncu_one is not None:
         kernel, mask, xp, h0 = problem("rnn", 1152, 4, 32, 0.1, jnp.float16)
-        bank = {"bank_period": 0} if args.ncu_one in (0, 1) else {}
-        w = sp.SparseWeights.from_dense(kernel, mask, **bank)
+        w = variant_weights(kernel, mask, args.ncu_one)
         os.environ["SPRNN_CUDA_VARIANT"] = str(args.ncu_one)
         jax.block_until_ready(sp.rnn(xp, h0, w, "relu", implementation="kernel"))
         return 0

@@ -279,6 +279,24 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
 #endif
 }
 
+// After an all-to-all launch: its abort flag (0 = every block finished), the slowest block's
+// time in us per step and the poll rounds counted over all threads.
+struct AllToAllResult {
+  int flag = 0;
+  double us_per_step = 0;
+  unsigned long long rounds = 0;
+};
+AllToAllResult read_all_to_all(const int* abort, const unsigned long long* ns,
+                               const unsigned long long* rounds, int nb, int steps) {
+  AllToAllResult r;
+  CHECK(cudaMemcpy(&r.flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  std::vector<unsigned long long> t(nb);
+  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(&r.rounds, rounds, sizeof(r.rounds), cudaMemcpyDeviceToHost));
+  r.us_per_step = *std::max_element(t.begin(), t.end()) / 1000.0 / steps;
+  return r;
+}
+
 // Part 3 alone (share >= 1): launch the cluster-shared all-to-all and print us/step.
 int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int smem_kb) {
   const int nitems = nb * wpb / 4;
@@ -334,21 +352,15 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  int flag = 0;
-  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
-  std::vector<unsigned long long> t(nb);
-  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-  unsigned long long nr = 0;
-  CHECK(cudaMemcpy(&nr, rounds, sizeof(nr), cudaMemcpyDeviceToHost));
-  if (flag) {
-    std::printf("all-to-all shared: TIMEOUT (flag %d)\n", flag);
+  const AllToAllResult res = read_all_to_all(abort, ns, rounds, nb, steps);
+  if (res.flag) {
+    std::printf("all-to-all shared: TIMEOUT (flag %d)\n", res.flag);
   } else {
-    const unsigned long long worst = *std::max_element(t.begin(), t.end());
     std::printf("all-to-all shared %d (%s launch): %d blocks x %d threads, %d words per block, "
                 "%d bytes from L2 per block per step, %d steps: %.3f us/step, %.2f poll rounds "
                 "per thread and step\n", csize, coop ? "cooperative" : "plain", nb, threads, wpb,
-                nitems / csize * 16, steps, worst / 1000.0 / steps,
-                static_cast<double>(nr) / (static_cast<double>(nb) * threads * steps));
+                nitems / csize * 16, steps, res.us_per_step,
+                static_cast<double>(res.rounds) / (static_cast<double>(nb) * threads * steps));
   }
   return 0;
 }
@@ -433,23 +445,18 @@ int main(int argc, char** argv) {
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
   }
-  CHECK(cudaMemcpy(&flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
-  std::vector<unsigned long long> t(nb);
-  CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-  if (flag) {
+  const AllToAllResult res = read_all_to_all(abort, ns, rounds, nb, steps);
+  if (res.flag) {
     std::printf("all-to-all: TIMEOUT\n");
   } else {
-    const unsigned long long worst = *std::max_element(t.begin(), t.end());
-    unsigned long long nr = 0;
-    CHECK(cudaMemcpy(&nr, rounds, sizeof(nr), cudaMemcpyDeviceToHost));
     // polling threads per block: min(threads, items); each takes its items in batches of 8 (depth 1) or 4
     const int items = nb * wpb / 4, pollers = std::min(threads, items), per = depth == 1 ? 8 : 4;
     const int batches = (items + pollers * per - 1) / (pollers * per);
     std::printf("all-to-all %s: %d blocks x %d threads, %d words (%d bytes read) per block per step, "
                 "%d steps, poll depth %d gap %lld cycles: %.3f us/step, %.2f poll rounds per "
                 "thread batch\n", flagged ? "flagged" : "tagged", nb, threads, wpb, nb * wpb * 4,
-                steps, depth, gap, worst / 1000.0 / steps,
-                flagged ? 0.0 : static_cast<double>(nr) / (static_cast<double>(nb) * pollers * batches * steps));
+                steps, depth, gap, res.us_per_step,
+                flagged ? 0.0 : static_cast<double>(res.rounds) / (static_cast<double>(nb) * pollers * batches * steps));
   }
   return 0;
 }
