@@ -5,7 +5,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
 //   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
-//                    [share] [smem KB]
+//                    [share] [smem KB] [bulk]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
 //    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
@@ -27,6 +27,13 @@
 //    same kernel without peers (its baseline, tile writes included). Each block asks for `smem
 //    KB` of shared memory (default 200), so that one block fits per SM, as in the real kernel;
 //    the probe prints how many clusters of C such blocks can be co-resident.
+// 4. With `bulk` 1 or 2 (sm_90): the all-to-all of 2., but the bytes come in by the TMA
+//    (cp.async.bulk), one copy per producer block's words into shared memory, each with its own
+//    mbarrier; a warp checks a landed chunk's tags in shared memory and copies it again while
+//    any is stale. bulk 2 also unpacks each item's 4 values (tags dropped) into an h tile, the
+//    work the kernel's gather would add. Question: the threads' loads take in ~23 bytes per
+//    clock per SM from L2 (session 20), which bounds ReLU H=5760's gather (92 KB per block and
+//    step, ~2 us); does the TMA take them in faster?
 // Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
 #include <cuda_runtime.h>
 
@@ -279,6 +286,93 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
 #endif
 }
 
+// 4. The TMA all-to-all (see the header). Shared memory: nb mbarriers, then nb chunks of wpb
+// words (chunk k: block k's words of the step), then (bulk 2) the h tile, 8 bytes per item.
+// Warp w owns chunks w, w + nwarps, ...; lane i issues the warp's i-th chunk, then the warp
+// takes its chunks in turn: waits for the copy, checks every word's tag, and issues the copy
+// again when any is stale (after a proxy fence: the generic reads of the chunk are done).
+__global__ void __launch_bounds__(512, 1)
+all_to_all_bulk(const unsigned* words_in, int steps, int wpb, int unpack, unsigned long long* ns,
+                unsigned long long* rounds, int* abort) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned* words = const_cast<unsigned*>(words_in);
+  const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
+  const int warp = tid >> 5, lane = tid & 31, nwarps = nthr >> 5;
+  const int nmine = (nb - warp + nwarps - 1) / nwarps;  // <= 32: checked by the host
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem);
+  unsigned* stage = reinterpret_cast<unsigned*>(smem + ((nb * 8 + 127) / 128) * 128);
+  uint2* tile = reinterpret_cast<uint2*>(stage + static_cast<long long>(nb) * wpb);
+  const uint32_t chunk_bytes = static_cast<uint32_t>(wpb) * 4u;
+  for (int k = tid; k < nb; k += nthr) mbar_init(&bars[k]);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  auto issue = [&](int k, const unsigned* slot) {
+    mbar_arrive_expect(&bars[k], chunk_bytes);
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(stage + static_cast<long long>(k) * wpb))),
+        "l"(slot + static_cast<long long>(k) * wpb), "r"(chunk_bytes),
+        "r"(static_cast<uint32_t>(__cvta_generic_to_shared(&bars[k]))) : "memory");
+  };
+  uint32_t parity = 0;  // bit i: the phase the warp's i-th chunk completes next
+  unsigned long long my_rounds = 0;
+  unsigned sink = 0;
+  bool ok = true;
+  const unsigned long long t0 = global_ns();
+  for (int s = 0; s < steps && ok; ++s) {
+    const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
+    unsigned* slot = words + static_cast<long long>(s & 1) * nb * wpb;
+    for (int i = tid; i < wpb; i += nthr) st_relaxed(slot + b * wpb + i, (tag << 16) | i);
+    // The chunks were last read by generic loads (step s - 1, before the block barrier).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (lane < nmine) issue(warp + lane * nwarps, slot);
+    uint32_t pending = nmine >= 32 ? 0xffffffffu : (1u << nmine) - 1u;
+    for (long long spins = 0; pending && ok; ++spins) {
+      if (spins > kMaxSpins) { ok = false; break; }
+      for (int i = 0; i < nmine; ++i) {
+        if (!((pending >> i) & 1u)) continue;
+        const int k = warp + i * nwarps;
+        const uint32_t ph = (parity >> i) & 1u;
+        for (long long t = 0; !mbar_try_wait(&bars[k], ph); )
+          if (++t > kMaxSpins) { ok = false; break; }
+        if (!ok) break;
+        parity ^= 1u << i;
+        const uint4* c4 = reinterpret_cast<const uint4*>(stage + static_cast<long long>(k) * wpb);
+        bool fresh = true;
+        for (int q = lane; q < wpb / 4; q += 32) {
+          const uint4 w = c4[q];
+          fresh = fresh && (w.x >> 16) == tag && (w.y >> 16) == tag && (w.z >> 16) == tag &&
+                  (w.w >> 16) == tag;
+        }
+        ++my_rounds;
+        if (__all_sync(0xffffffffu, fresh)) {
+          pending &= ~(1u << i);
+          for (int q = lane; q < wpb / 4; q += 32) {
+            const uint4 w = c4[q];
+            if (unpack)
+              tile[static_cast<long long>(k) * (wpb / 4) + q] =
+                  make_uint2((w.x & 0xffffu) | (w.y << 16), (w.z & 0xffffu) | (w.w << 16));
+            else
+              sink += w.x ^ w.w;
+          }
+        } else if (lane == 0) {
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          issue(k, slot);
+        }
+      }
+    }
+    if (!ok) atomicExch(abort, 1);
+    if (__syncthreads_or(!ok)) break;
+  }
+  if (tid == 0) ns[b] = global_ns() - t0;
+  if (lane == 0) atomicAdd(rounds, my_rounds);
+  if (sink == 0xdeadbeef || (unpack && tile[tid % (nb * wpb / 4)].x == 0xdeadbeefu)) abort[1] = 1;
+#else
+  if (threadIdx.x == 0) atomicExch(abort, 3);
+#endif
+}
+
 // After an all-to-all launch: its abort flag (0 = every block finished), the slowest block's
 // time in us per step and the poll rounds counted over all threads.
 struct AllToAllResult {
@@ -365,6 +459,50 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
   return 0;
 }
 
+// Part 4 alone (bulk 1 or 2): launch the TMA all-to-all and print us/step.
+int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int smem_kb) {
+  const int nwarps = threads / 32;
+  const size_t need = ((nb * 8 + 127) / 128) * 128 + static_cast<size_t>(nb) * wpb * 4 +
+                      (unpack ? static_cast<size_t>(nb) * wpb * 2 : 0);
+  const size_t smem = std::max(need, static_cast<size_t>(smem_kb) * 1024);
+  if (wpb % 4 || threads % 32 || threads > 512 || (nb + nwarps - 1) / nwarps > 32 || smem > 227 * 1024) {
+    std::fprintf(stderr, "bulk: wpb a multiple of 4, threads a multiple of 32 up to 512, at most "
+                         "32 chunks per warp, shared memory up to 227 KB (needs %zu)\n", need);
+    return 2;
+  }
+  const void* fn = reinterpret_cast<const void*>(all_to_all_bulk);
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  unsigned* words;
+  unsigned long long *ns, *rounds;
+  int* abort;
+  CHECK(cudaMalloc(&words, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
+  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
+  CHECK(cudaMemset(words, 0, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
+  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
+  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  int st = steps, w = wpb, u = unpack;
+  void* args[] = {&words, &st, &w, &u, &ns, &rounds, &abort};
+  CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb), dim3(threads), args, smem, nullptr));
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  const AllToAllResult res = read_all_to_all(abort, ns, rounds, nb, steps);
+  if (res.flag) {
+    std::printf("all-to-all bulk: TIMEOUT (flag %d)\n", res.flag);
+  } else {
+    std::printf("all-to-all bulk%s: %d blocks x %d threads, %d words (%d bytes by TMA) per block "
+                "per step, %d steps: %.3f us/step, %.2f copies per chunk and step\n",
+                unpack ? " + unpack" : "", nb, threads, wpb, nb * wpb * 4, steps, res.us_per_step,
+                static_cast<double>(res.rounds) / (static_cast<double>(nb) * nb * steps));
+  }
+  CHECK(cudaFree(words));
+  CHECK(cudaFree(ns));
+  CHECK(cudaFree(rounds));
+  CHECK(cudaFree(abort));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   CHECK(cudaGetDevice(&dev));
@@ -378,6 +516,8 @@ int main(int argc, char** argv) {
   const long long gap = argc > 7 ? std::atoll(argv[7]) : 0;
   const int share = argc > 8 ? std::atoi(argv[8]) : 0;
   const int smem_kb = argc > 9 ? std::atoi(argv[9]) : 200;
+  const int bulk = argc > 10 ? std::atoi(argv[10]) : 0;
+  if (bulk > 0) return bulk_all_to_all(nb, threads, steps, wpb, bulk == 2, smem_kb);
   if (share > 0) return shared_all_to_all(nb, threads, steps, wpb, share, smem_kb);
   if (nb < 2 || nb > sms || threads < 32 || threads > (depth == 1 ? 1024 : 512) || steps < 1 ||
       wpb < 4 || wpb % 4 || depth < 1 || depth > 3 || gap < 0) {
