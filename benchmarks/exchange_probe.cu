@@ -5,7 +5,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
 //   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
-//                    [share] [smem KB] [bulk]
+//                    [share] [smem KB] [bulk] [group]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
 //    through global memory (st.relaxed.gpu / ld.relaxed.gpu, as the kernel's Lamport exchange)
@@ -28,9 +28,9 @@
 //    KB` of shared memory (default 200), so that one block fits per SM, as in the real kernel;
 //    the probe prints how many clusters of C such blocks can be co-resident.
 // 4. With `bulk` 1 or 2 (sm_90): the all-to-all of 2., but the bytes come in by the TMA
-//    (cp.async.bulk), one copy per producer block's words into shared memory, each with its own
-//    mbarrier; a warp checks a landed chunk's tags in shared memory and copies it again while
-//    any is stale. bulk 2 also unpacks each item's 4 values (tags dropped) into an h tile, the
+//    (cp.async.bulk), one copy per `group` producer blocks' words (default 1) into shared
+//    memory, each with its own mbarrier; a warp checks a landed chunk's tags in shared memory
+//    and copies it again while any is stale. bulk 2 also unpacks each item's 4 values (tags dropped) into an h tile, the
 //    work the kernel's gather would add. Question: the threads' loads take in ~23 bytes per
 //    clock per SM from L2 (session 20), which bounds ReLU H=5760's gather (92 KB per block and
 //    step, ~2 us); does the TMA take them in faster?
@@ -286,33 +286,37 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
 #endif
 }
 
-// 4. The TMA all-to-all (see the header). Shared memory: nb mbarriers, then nb chunks of wpb
-// words (chunk k: block k's words of the step), then (bulk 2) the h tile, 8 bytes per item.
+// 4. The TMA all-to-all (see the header). Shared memory: nb mbarriers, then the nb * wpb words
+// of the step in chunks of `group` blocks' words (chunk k: blocks k * group ...), then (bulk 2)
+// the h tile, 8 bytes per item.
 // Warp w owns chunks w, w + nwarps, ...; lane i issues the warp's i-th chunk, then the warp
 // takes its chunks in turn: waits for the copy, checks every word's tag, and issues the copy
 // again when any is stale (after a proxy fence: the generic reads of the chunk are done).
 __global__ void __launch_bounds__(512, 1)
-all_to_all_bulk(const unsigned* words_in, int steps, int wpb, int unpack, unsigned long long* ns,
+all_to_all_bulk(const unsigned* words_in, int steps, int wpb, int unpack, int group, unsigned long long* ns,
                 unsigned long long* rounds, int* abort) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];
   unsigned* words = const_cast<unsigned*>(words_in);
   const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, nthr = blockDim.x;
   const int warp = tid >> 5, lane = tid & 31, nwarps = nthr >> 5;
-  const int nmine = (nb - warp + nwarps - 1) / nwarps;  // <= 32: checked by the host
+  const int nchunks = (nb + group - 1) / group;
+  const int nmine = warp < nchunks ? (nchunks - warp + nwarps - 1) / nwarps : 0;  // <= 32 (host)
   unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem);
   unsigned* stage = reinterpret_cast<unsigned*>(smem + ((nb * 8 + 127) / 128) * 128);
   uint2* tile = reinterpret_cast<uint2*>(stage + static_cast<long long>(nb) * wpb);
-  const uint32_t chunk_bytes = static_cast<uint32_t>(wpb) * 4u;
-  for (int k = tid; k < nb; k += nthr) mbar_init(&bars[k]);
+  const int cw = wpb * group;  // words per chunk (the last one may be shorter)
+  auto chunk_words = [&](int k) { return (k + 1) * group <= nb ? cw : (nb - k * group) * wpb; };
+  for (int k = tid; k < nchunks; k += nthr) mbar_init(&bars[k]);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
   auto issue = [&](int k, const unsigned* slot) {
-    mbar_arrive_expect(&bars[k], chunk_bytes);
+    const uint32_t bytes = static_cast<uint32_t>(chunk_words(k)) * 4u;
+    mbar_arrive_expect(&bars[k], bytes);
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(stage + static_cast<long long>(k) * wpb))),
-        "l"(slot + static_cast<long long>(k) * wpb), "r"(chunk_bytes),
+        ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(stage + static_cast<long long>(k) * cw))),
+        "l"(slot + static_cast<long long>(k) * cw), "r"(bytes),
         "r"(static_cast<uint32_t>(__cvta_generic_to_shared(&bars[k]))) : "memory");
   };
   uint32_t parity = 0;  // bit i: the phase the warp's i-th chunk completes next
@@ -338,9 +342,10 @@ all_to_all_bulk(const unsigned* words_in, int steps, int wpb, int unpack, unsign
           if (++t > kMaxSpins) { ok = false; break; }
         if (!ok) break;
         parity ^= 1u << i;
-        const uint4* c4 = reinterpret_cast<const uint4*>(stage + static_cast<long long>(k) * wpb);
+        const uint4* c4 = reinterpret_cast<const uint4*>(stage + static_cast<long long>(k) * cw);
+        const int n4 = chunk_words(k) / 4;
         bool fresh = true;
-        for (int q = lane; q < wpb / 4; q += 32) {
+        for (int q = lane; q < n4; q += 32) {
           const uint4 w = c4[q];
           fresh = fresh && (w.x >> 16) == tag && (w.y >> 16) == tag && (w.z >> 16) == tag &&
                   (w.w >> 16) == tag;
@@ -348,10 +353,10 @@ all_to_all_bulk(const unsigned* words_in, int steps, int wpb, int unpack, unsign
         ++my_rounds;
         if (__all_sync(0xffffffffu, fresh)) {
           pending &= ~(1u << i);
-          for (int q = lane; q < wpb / 4; q += 32) {
+          for (int q = lane; q < n4; q += 32) {
             const uint4 w = c4[q];
             if (unpack)
-              tile[static_cast<long long>(k) * (wpb / 4) + q] =
+              tile[static_cast<long long>(k) * (cw / 4) + q] =
                   make_uint2((w.x & 0xffffu) | (w.y << 16), (w.z & 0xffffu) | (w.w << 16));
             else
               sink += w.x ^ w.w;
@@ -460,12 +465,13 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
 }
 
 // Part 4 alone (bulk 1 or 2): launch the TMA all-to-all and print us/step.
-int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int smem_kb) {
+int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int group, int smem_kb) {
   const int nwarps = threads / 32;
+  const int nchunks = (nb + group - 1) / group;
   const size_t need = ((nb * 8 + 127) / 128) * 128 + static_cast<size_t>(nb) * wpb * 4 +
                       (unpack ? static_cast<size_t>(nb) * wpb * 2 : 0);
   const size_t smem = std::max(need, static_cast<size_t>(smem_kb) * 1024);
-  if (wpb % 4 || threads % 32 || threads > 512 || (nb + nwarps - 1) / nwarps > 32 || smem > 227 * 1024) {
+  if (wpb % 4 || threads % 32 || threads > 512 || group < 1 || (nchunks + nwarps - 1) / nwarps > 32 || smem > 227 * 1024) {
     std::fprintf(stderr, "bulk: wpb a multiple of 4, threads a multiple of 32 up to 512, at most "
                          "32 chunks per warp, shared memory up to 227 KB (needs %zu)\n", need);
     return 2;
@@ -482,8 +488,8 @@ int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int sme
   CHECK(cudaMemset(words, 0, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
   CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
   CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
-  int st = steps, w = wpb, u = unpack;
-  void* args[] = {&words, &st, &w, &u, &ns, &rounds, &abort};
+  int st = steps, w = wpb, u = unpack, g = group;
+  void* args[] = {&words, &st, &w, &u, &g, &ns, &rounds, &abort};
   CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb), dim3(threads), args, smem, nullptr));
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
@@ -492,9 +498,10 @@ int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int sme
     std::printf("all-to-all bulk: TIMEOUT (flag %d)\n", res.flag);
   } else {
     std::printf("all-to-all bulk%s: %d blocks x %d threads, %d words (%d bytes by TMA) per block "
-                "per step, %d steps: %.3f us/step, %.2f copies per chunk and step\n",
-                unpack ? " + unpack" : "", nb, threads, wpb, nb * wpb * 4, steps, res.us_per_step,
-                static_cast<double>(res.rounds) / (static_cast<double>(nb) * nb * steps));
+                "per step, %d chunks of %d blocks' words, %d steps: %.3f us/step, %.2f copies per "
+                "chunk and step\n", unpack ? " + unpack" : "", nb, threads, wpb, nb * wpb * 4,
+                nchunks, group, steps, res.us_per_step,
+                static_cast<double>(res.rounds) / (static_cast<double>(nb) * nchunks * steps));
   }
   CHECK(cudaFree(words));
   CHECK(cudaFree(ns));
@@ -517,7 +524,8 @@ int main(int argc, char** argv) {
   const int share = argc > 8 ? std::atoi(argv[8]) : 0;
   const int smem_kb = argc > 9 ? std::atoi(argv[9]) : 200;
   const int bulk = argc > 10 ? std::atoi(argv[10]) : 0;
-  if (bulk > 0) return bulk_all_to_all(nb, threads, steps, wpb, bulk == 2, smem_kb);
+  const int group = argc > 11 ? std::atoi(argv[11]) : 1;
+  if (bulk > 0) return bulk_all_to_all(nb, threads, steps, wpb, bulk == 2, group, smem_kb);
   if (share > 0) return shared_all_to_all(nb, threads, steps, wpb, share, smem_kb);
   if (nb < 2 || nb > sms || threads < 32 || threads > (depth == 1 ? 1024 : 512) || steps < 1 ||
       wpb < 4 || wpb % 4 || depth < 1 || depth > 3 || gap < 0) {
