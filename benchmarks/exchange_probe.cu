@@ -1,7 +1,7 @@
 // Exchange probe: the latency of the grid-wide h exchange alone, without the RNN, to tell how
 // much of a small layer's ~0.8 us gather (step_probe.cu) is the L2 itself. Standalone, like
-// step_probe.cu. Results: benchmarks/NOTES.md, sessions 6, 7, 19, 20
-// and 22 (threads per block: 256 is the fastest, 1024 the slowest).
+// step_probe.cu. Results: benchmarks/NOTES.md, sessions 6, 7, 19, 20, 22 (threads per block:
+// 256 is the fastest, 1024 the slowest) and 24 (the TMA gathers no faster than the threads).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
 //   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
@@ -34,6 +34,7 @@
 //    work the kernel's gather would add. Question: the threads' loads take in ~23 bytes per
 //    clock per SM from L2 (session 20), which bounds ReLU H=5760's gather (92 KB per block and
 //    step, ~2 us); does the TMA take them in faster?
+//    No: 2.85 us/step at best (copies of 12 blocks' words) against the threads' 2.73.
 // Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
 #include <cuda_runtime.h>
 
