@@ -345,7 +345,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     // measured speed choice, not a capacity problem.
     best.reason = "the layer's nonzeros do not fit on chip (" + std::to_string(nnz) +
                   " nonzeros, about " + std::to_string(best.w_cap * best.nb) +
-                  " fit); the rest are read from L2 every step";
+                  " fit); the rest are read from L2 every step, which is slower (prune further to fit;"
+                  " at high density a dense layer can be faster)";
   }
   return best;
 }
