@@ -30,8 +30,10 @@ lanes have more or fewer than 4 nonzeros per row.
 --threads: threads per block 384 / 448 / 480 / 512 (SPRNN_CUDA_THREADS), wall and kernel time,
 on layers whose rows run as half warps (ReLU H=1152 at B=8, ReLU H=2304 30%, LSTM / GRU H=1024)
 and two that do not.
---on-chip: LSTM H=4096 10% fp16 B=4, the default plan (tile 4: ~94% of the nonzeros on chip,
-the rest read from L2) against tiles 2 and 1 (SPRNN_CUDA_BT), which hold more or all of them.
+--on-chip: layers whose nonzeros do not all fit on chip at the default batch tile (LSTM H=4096
+10% fp16 B=4: tile 4 holds ~94%, the rest is read from L2 each step; LSTM H=1024 100% fp32 B=8,
+the pruned-LM pipeline's unpruned layer; LSTM H=2048 30% fp32 and ReLU H=4096 50% fp16, B=4):
+the default plan against forced tiles 4, 2 and 1 (SPRNN_CUDA_BT), which hold more of them.
 
 Per-step time = median wall time of one jitted call of K back-to-back recurrences (chained
 through the carry, so nothing is elided) / (K * T). Every method gets the same inputs, the same
@@ -345,8 +347,8 @@ def main():
                     help="the register-weights build off / on / on with float words (B=4, "
                     "16-bit), wall and kernel time")
     ap.add_argument("--on-chip", action="store_true",
-                    help="LSTM H=4096 (B=4, fp16) default plan vs batch tiles 2 and 1, which "
-                    "hold every nonzero on chip, wall and kernel time")
+                    help="layers that do not fit on chip at the default tile: the default "
+                    "plan vs batch tiles 4, 2 and 1, wall and kernel time")
     ap.add_argument("--threads", action="store_true",
                     help="threads per block 384 / 448 / 480 / 512 at the half-warp layers "
                     "(B=4 and 8), wall and kernel time")
@@ -657,11 +659,14 @@ def main():
                                  if info["reg_weights"] else "off"), T)
     if args.on_chip:
         knob_table(res, lines, save, "on_chip",
-                   "## LSTM H=4096 with its nonzeros wholly on chip (us/step wall, then kernel "
-                   "only; the default tile 4 streams the nonzeros that do not fit from L2, "
-                   "SPRNN_CUDA_BT=1 / 2 run 4 / 2 tiles in turn)",
-                   {"default": {}, "tile 2": {"SPRNN_CUDA_BT": "2"}, "tile 1": {"SPRNN_CUDA_BT": "1"}},
-                   [("lstm", None, 4096, 4, 0.1, jnp.float16)],
+                   "## Layers that do not fit on chip at the default tile (us/step wall, then "
+                   "kernel only; the plan streams the nonzeros that do not fit from L2, "
+                   "SPRNN_CUDA_BT=n runs B / n tiles in turn, each holding more of them)",
+                   {"default": {}, **{f"tile {n}": {"SPRNN_CUDA_BT": str(n)} for n in (4, 2, 1)}},
+                   [("lstm", None, 4096, 4, 0.1, jnp.float16),
+                    ("lstm", None, 1024, 8, 1.0, jnp.float32),
+                    ("lstm", None, 2048, 4, 0.3, jnp.float32),
+                    ("rnn", "relu", 4096, 4, 0.5, jnp.float16)],
                    lambda info: (f"tile {info['batch_tile']}, "
                                  f"{min(1.0, info['nnz_per_block_capacity'] / info['nnz_per_block_needed']):.0%}"
                                  " of a block's nonzeros on chip"), T)
