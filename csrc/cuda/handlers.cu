@@ -217,7 +217,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // (B = 5..8 -> 8, 9..16 -> 16, 17..32 -> 32, > 32 -> 64): every tile is one more exchange
   // round per step (~3.3 us at ReLU H=1152, benchmarks/NOTES.md), while the padding columns of
   // a tile larger than B only add compute. So 16-bit B = 5..8 keeps BT = 8 (one round, no
-  // padding); B = 64 measured 12.7 us/step as two tiles of 32 against 6.8 for B = 32 in one. The largest whose weights fit on chip wins (below).
+  // padding); B = 64 measured 12.7 us/step as two tiles of 32 against 6.8 for B = 32 in one.
+  // The largest that fits wins (below).
   // SPRNN_CUDA_BT forces one (benchmarks), if the workspace holds its padded batch.
   int cands[7];
   int nc = 0;
@@ -234,7 +235,16 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       }
     }
   }
-  bool found = false, best_good = false;
+  // The largest tile that fits (its h tile and per-unit state in shared memory) wins, even
+  // where a smaller tile would hold more of the nonzeros: each extra tile re-reads every
+  // weight and adds an exchange round per step, which costs more than reading the rest from
+  // L2. Measured on the H200 (benchmarks/NOTES.md, session 24), kernel us/step, tile 4 / 2 / 1
+  // (share of the nonzeros on chip): LSTM H=4096 10% fp16 B=4 8.87 (92%) / 13.22 (100%) /
+  // 25.92; LSTM H=2048 30% fp32 B=4 9.42 (60%) / 14.28 (66%) / 27.07 (68%); ReLU H=4096 50%
+  // fp16 B=4 14.39 (75%) / 26.54 (81%) / 54.59 (85%). (Until then the plan took the largest
+  // tile that kept 3/4 of the nonzeros on chip, else the one that kept the most: up to 2.9x
+  // slower.)
+  bool found = false;
   bool any_on_chip = false;
   Plan best;
   for (int i = 0; i < nc; ++i) {
@@ -242,17 +252,10 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     Plan c = pl;
     if (!fit_tile(c, bt, static_cast<int>((B + bt - 1) / bt), gates, dtype, H, avail)) continue;
     any_on_chip = any_on_chip || c.on_chip;
-    // Largest batch tile that keeps at least 3/4 of the nonzeros on chip: measured on the
-    // H200 (benchmarks/NOTES.md), LSTM H=4096 d=10% B=4 runs 9.8 us/step at BT=4 with 7% of
-    // its nonzeros streamed from L2, against 15.7 at BT=2 and 27.4 at BT=1 fully on chip,
-    // because each extra tile re-reads every weight and adds an exchange round per step.
-    const bool good = 4 * c.w_cap >= 3 * pl.w_need;
-    if (!found || (good && !best_good) || (!best_good && !good && c.w_cap > best.w_cap)) {
+    if (!found) {
       best = c;
-      best_good = good;
       found = true;
     }
-    if (good || nc == 1) break;
   }
   if (!found) {
     pl.reason = "the hidden state tile and per-unit state of this layer (H = " +
