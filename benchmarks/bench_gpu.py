@@ -33,7 +33,8 @@ and two that do not.
 --on-chip: layers whose nonzeros do not all fit on chip at the default batch tile (LSTM H=4096
 10% fp16 B=4: tile 4 holds ~92%, the rest is read from L2 each step; LSTM H=1024 100% fp32 B=8,
 the pruned-LM pipeline's unpruned layer; LSTM H=2048 30% and 100% fp32, ReLU H=4096 50% fp16,
-at B=4 and one larger B): the default plan against forced tiles 16, 8, 4 and 2
+at B=4 and one larger B; three low-density layers of large H whose h tile leaves little room
+at tile 4): the default plan against forced tiles 16, 8, 4, 2 and 1
 (SPRNN_CUDA_BT), the smaller of which hold more of them (a tile that does not apply to the
 batch leaves the default plan).
 
@@ -350,7 +351,7 @@ def main():
                     "16-bit), wall and kernel time")
     ap.add_argument("--on-chip", action="store_true",
                     help="layers that do not fit on chip at the default tile: the default "
-                    "plan vs batch tiles 16, 8, 4 and 2, wall and kernel time")
+                    "plan vs batch tiles 16, 8, 4, 2 and 1, wall and kernel time")
     ap.add_argument("--threads", action="store_true",
                     help="threads per block 384 / 448 / 480 / 512 at the half-warp layers "
                     "(B=4 and 8), wall and kernel time")
@@ -664,14 +665,19 @@ def main():
                    "## Layers that do not fit on chip at the default tile (us/step wall, then "
                    "kernel only; the plan streams the nonzeros that do not fit from L2, "
                    "SPRNN_CUDA_BT=n runs B / n tiles in turn, each holding more of them)",
-                   {"default": {}, **{f"tile {n}": {"SPRNN_CUDA_BT": str(n)} for n in (16, 8, 4, 2)}},
+                   {"default": {}, **{f"tile {n}": {"SPRNN_CUDA_BT": str(n)} for n in (16, 8, 4, 2, 1)}},
                    [("lstm", None, 4096, 4, 0.1, jnp.float16),
                     ("lstm", None, 1024, 8, 1.0, jnp.float32),
                     ("lstm", None, 2048, 4, 0.3, jnp.float32),
                     ("lstm", None, 2048, 8, 0.3, jnp.float32),
                     ("lstm", None, 2048, 4, 1.0, jnp.float32),
                     ("rnn", "relu", 4096, 4, 0.5, jnp.float16),
-                    ("rnn", "relu", 4096, 16, 0.5, jnp.float16)],
+                    ("rnn", "relu", 4096, 16, 0.5, jnp.float16),
+                    # low density, large H: the h tile leaves little room at tile 4, while
+                    # tile 2 holds the whole layer
+                    ("rnn", "relu", 20000, 4, 0.01, jnp.float16),
+                    ("rnn", "relu", 12000, 4, 0.01, jnp.float32),
+                    ("rnn", "relu", 7000, 4, 0.05, jnp.float32)],
                    lambda info: (f"tile {info['batch_tile']}, "
                                  f"{min(1.0, info['nnz_per_block_capacity'] / info['nnz_per_block_needed']):.0%}"
                                  " of a block's nonzeros on chip"), T)

@@ -5,8 +5,8 @@
 Asks the kernel's planner (`cuda_lowering.plan`, host code: needs the CUDA extension built,
 not a GPU) about a hypothetical H200 (132 SMs, 232,448 bytes of shared memory per block) and
 finds, by bisection over H, the largest H whose nonzeros all fit in shared memory:
-- with the default plan (batch tile 4 where it keeps at least 3/4 of the nonzeros on chip;
-  beyond this H the default streams the rest from L2, with a one-time warning);
+- with the default plan (batch tile 4; beyond this H it streams the rest from L2, with a
+  one-time warning where no batch tile would hold the layer);
 - with the batch tile that holds the most (SPRNN_CUDA_BT = 1, 2 or 4; the smaller tiles run
   in turn, one exchange round each per step, so they are slower).
 Prints a markdown table "default / any tile" per density; bfloat16 plans as float16.

@@ -26,11 +26,13 @@ Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured 
 
 The kernel itself falls back to variant 4 when the layer's hidden state tile cannot be held in
 one block's shared memory or the GPU cannot launch a cooperative grid, and streams from L2 the
-nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWarning``).
+nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWarning``; the
+second only when no batch tile would hold the whole layer).
 
 Batch tiles: 1, 2, 4, 8, 16, 32 or 64 sequences per exchange round, the smallest that holds
-the batch unless its h tile does not fit in shared memory or its weights would not stay
-(>= 3/4) on chip; tiles of 16 to 64 share each nonzero between several lanes. From B = 8 on
+the batch unless its h tile does not fit in shared memory, whatever share of the nonzeros it
+leaves for L2 (smaller tiles, run in turn, hold more of them but measured slower: up to 2.9x,
+benchmarks/NOTES.md session 24); tiles of 16 to 64 share each nonzero between several lanes. From B = 8 on
 (default variant), batch groups: the batch splits into the most tiles of >= 4 sequences that
 run at once, each on its own blocks holding the whole layer (at most 128 rows per block);
 without them every block runs every tile in turn. Threads per
