@@ -238,25 +238,31 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // The largest tile that fits (its h tile and per-unit state in shared memory) wins, even
   // where a smaller tile would hold more of the nonzeros: each extra tile re-reads every
   // weight and adds an exchange round per step, which costs more than reading the rest from
-  // L2. Measured on the H200 (benchmarks/NOTES.md, session 24), kernel us/step, tile 4 / 2 / 1
-  // (share of the nonzeros on chip): LSTM H=4096 10% fp16 B=4 8.87 (92%) / 13.22 (100%) /
-  // 25.92; LSTM H=2048 30% fp32 B=4 9.42 (60%) / 14.28 (66%) / 27.07 (68%); ReLU H=4096 50%
-  // fp16 B=4 14.39 (75%) / 26.54 (81%) / 54.59 (85%). (Until then the plan took the largest
-  // tile that kept 3/4 of the nonzeros on chip, else the one that kept the most: up to 2.9x
-  // slower.)
-  bool found = false;
-  bool any_on_chip = false;
-  Plan best;
+  // L2. Measured on the H200 (benchmarks/NOTES.md, session 24), kernel us/step by tile (share
+  // of the nonzeros on chip): LSTM H=4096 10% fp16 B=4 tile 4 8.87 (92%), 2 13.31 (100%);
+  // ReLU H=20000 1% fp16 B=4 tile 4 14.21 (49%), 2 18.33 (100%); LSTM H=2048 30% fp32 B=4
+  // tile 4 9.41 (60%), 2 14.33 (66%), 1 27.69 (68%); ReLU H=4096 50% fp16 B=16 tile 16 37.71
+  // (35%), 8 38.92 (61%), 4 56.29 (74%). The exception: a smaller tile that holds the whole
+  // layer, where the largest keeps less than 7/8 (float32) or 1/4 (16-bit) of the nonzeros on
+  // chip. Float32 rows read from L2 cost ~3x more per nonzero: ReLU H=12000 1% fp32 B=4 tile 4
+  // 15.82 (37%), 2 10.58 (100%); ReLU H=7000 5% fp32 tile 4 10.91 (76%), 2 9.24 (100%).
+  // (Until session 24 the plan took the largest tile that kept 3/4 of the nonzeros on chip,
+  // else the one that kept the most: up to 2.9x slower.)
+  bool found = false, found_on_chip = false;
+  Plan best, best_on_chip;
   for (int i = 0; i < nc; ++i) {
     const int bt = cands[i];
     Plan c = pl;
     if (!fit_tile(c, bt, static_cast<int>((B + bt - 1) / bt), gates, dtype, H, avail)) continue;
-    any_on_chip = any_on_chip || c.on_chip;
-    if (!found) {
-      best = c;
-      found = true;
-    }
+    if (!found) best = c;
+    if (c.on_chip && !found_on_chip) best_on_chip = c;
+    found = true;
+    found_on_chip = found_on_chip || c.on_chip;
   }
+  const bool any_on_chip = found_on_chip;
+  const bool little_on_chip =
+      dtype == 0 ? 8 * best.w_cap < 7 * pl.w_need : 4 * best.w_cap < pl.w_need;
+  if (found && !best.on_chip && found_on_chip && little_on_chip) best = best_on_chip;
   if (!found) {
     pl.reason = "the hidden state tile and per-unit state of this layer (H = " +
                 std::to_string(H) + ", B = " + std::to_string(B) +
