@@ -32,7 +32,9 @@ second only when no batch tile would hold the whole layer).
 Batch tiles: 1, 2, 4, 8, 16, 32 or 64 sequences per exchange round, the smallest that holds
 the batch unless its h tile does not fit in shared memory, whatever share of the nonzeros it
 leaves for L2 (smaller tiles, run in turn, hold more of them but measured slower: up to 2.9x,
-benchmarks/NOTES.md session 24); tiles of 16 to 64 share each nonzero between several lanes. From B = 8 on
+benchmarks/NOTES.md session 24), except that a smaller tile that holds the whole layer wins
+where the large one keeps less than 7/8 (float32) or 1/4 (16-bit) of the nonzeros on chip;
+tiles of 16 to 64 share each nonzero between several lanes. From B = 8 on
 (default variant), batch groups: the batch splits into the most tiles of >= 4 sequences that
 run at once, each on its own blocks holding the whole layer (at most 128 rows per block);
 without them every block runs every tile in turn. Threads per
