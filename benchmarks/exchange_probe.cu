@@ -397,6 +397,30 @@ AllToAllResult read_all_to_all(const int* abort, const unsigned long long* ns,
   return r;
 }
 
+// The zeroed buffers of one all-to-all launch (parts 3 and 4): two slots of nb * wpb words,
+// each block's time, the poll-round count and the abort flags.
+struct AllToAllBuffers {
+  unsigned* words = nullptr;
+  unsigned long long *ns = nullptr, *rounds = nullptr;
+  int* abort = nullptr;
+  AllToAllBuffers(int nb, int wpb) {
+    const size_t word_bytes = 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned);
+    CHECK(cudaMalloc(&words, word_bytes));
+    CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
+    CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
+    CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
+    CHECK(cudaMemset(words, 0, word_bytes));
+    CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
+    CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  }
+  ~AllToAllBuffers() {
+    CHECK(cudaFree(words));
+    CHECK(cudaFree(ns));
+    CHECK(cudaFree(rounds));
+    CHECK(cudaFree(abort));
+  }
+};
+
 // Part 3 alone (share >= 1): launch the cluster-shared all-to-all and print us/step.
 int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int smem_kb) {
   const int nitems = nb * wpb / 4;
@@ -431,16 +455,10 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
     std::printf("all-to-all shared: %d blocks cannot be co-resident: skipped\n", nb);
     return 0;
   }
-  unsigned* words;
-  unsigned long long *ns, *rounds;
-  int* abort;
-  CHECK(cudaMalloc(&words, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
-  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
-  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
-  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
-  CHECK(cudaMemset(words, 0, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
-  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
-  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  AllToAllBuffers buf(nb, wpb);
+  unsigned* words = buf.words;
+  unsigned long long *ns = buf.ns, *rounds = buf.rounds;
+  int* abort = buf.abort;
   cfg.numAttrs = 2;  // cooperative as well, where the driver takes it with clusters
   cudaError_t e =
       cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort);
@@ -479,16 +497,10 @@ int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int gro
   }
   const void* fn = reinterpret_cast<const void*>(all_to_all_bulk);
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  unsigned* words;
-  unsigned long long *ns, *rounds;
-  int* abort;
-  CHECK(cudaMalloc(&words, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
-  CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
-  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
-  CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
-  CHECK(cudaMemset(words, 0, 2 * static_cast<size_t>(nb) * wpb * sizeof(unsigned)));
-  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
-  CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
+  AllToAllBuffers buf(nb, wpb);
+  unsigned* words = buf.words;
+  unsigned long long *ns = buf.ns, *rounds = buf.rounds;
+  int* abort = buf.abort;
   int st = steps, w = wpb, u = unpack, g = group;
   void* args[] = {&words, &st, &w, &u, &g, &ns, &rounds, &abort};
   CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb), dim3(threads), args, smem, nullptr));
@@ -504,10 +516,6 @@ int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int gro
                 nchunks, group, steps, res.us_per_step,
                 static_cast<double>(res.rounds) / (static_cast<double>(nb) * nchunks * steps));
   }
-  CHECK(cudaFree(words));
-  CHECK(cudaFree(ns));
-  CHECK(cudaFree(rounds));
-  CHECK(cudaFree(abort));
   return 0;
 }
 
