@@ -259,16 +259,15 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     found = true;
     found_on_chip = found_on_chip || c.on_chip;
   }
-  const bool any_on_chip = found_on_chip;
-  const bool little_on_chip =
-      dtype == 0 ? 8 * best.w_cap < 7 * pl.w_need : 4 * best.w_cap < pl.w_need;
-  if (found && !best.on_chip && found_on_chip && little_on_chip) best = best_on_chip;
   if (!found) {
     pl.reason = "the hidden state tile and per-unit state of this layer (H = " +
                 std::to_string(H) + ", B = " + std::to_string(B) +
                 ") do not fit in one block's shared memory";
     return pl;
   }
+  const bool little_on_chip =
+      dtype == 0 ? 8 * best.w_cap < 7 * pl.w_need : 4 * best.w_cap < pl.w_need;
+  if (!best.on_chip && found_on_chip && little_on_chip) best = best_on_chip;
   // Batch groups (grouped_plan). SPRNN_CUDA_GROUPS=n forces n groups (any wide variant), 1 never
   // groups; a forced SPRNN_CUDA_BT keeps its tiles in turn. The default's choice (Lamport
   // variant): the most groups that keep tiles of at least 4 columns, at most 128 rows per block
@@ -349,7 +348,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       best = c;
     }
   }
-  if (!best.on_chip && !any_on_chip) {
+  if (!best.on_chip && !found_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.
     best.reason = "the layer's nonzeros do not fit on chip (" + std::to_string(nnz) +
