@@ -665,27 +665,25 @@ struct RowMap {
   static constexpr int kLPN = BT / kNV;
 };
 
-// The FMAs of kDepth weight words wq of this lane (only those with on[q]: 0 * inf would be NaN):
-// all gathers first, then the FMAs into acc.
-template <DType D, int BT, bool kWide, bool kFW, int kDepth>
-__device__ __forceinline__ void dot_words(const RowWordT<D, kFW> (&wq)[kDepth],
-                                          const bool (&on)[kDepth], const typename Tr<D>::S* h_s,
-                                          int H, int b0,
-                                          float (&acc)[RowMap<D, BT, kWide>::kNV]) {
-  using T = Tr<D>;
+// The FMAs of kDepth nonzeros of this lane (only those with on[q]: 0 * inf would be NaN), each
+// given by its value v[q] and where its unit's h values are in the tile (loc[q]: the byte offset
+// with kByteOffset, else the column): all gathers first, then the FMAs into acc.
+template <DType D, int BT, bool kWide, bool kByteOffset, int kDepth>
+__device__ __forceinline__ void dot_located(const float (&v)[kDepth], const int (&loc)[kDepth],
+                                            const bool (&on)[kDepth],
+                                            const typename Tr<D>::S* h_s, int H, int b0,
+                                            float (&acc)[RowMap<D, BT, kWide>::kNV]) {
+  using S = typename Tr<D>::S;
   constexpr int kNV = RowMap<D, BT, kWide>::kNV;
-  float v[kDepth], hv[kDepth][kNV];
+  float hv[kDepth][kNV];
 #pragma unroll
   for (int q = 0; q < kDepth; ++q) {
-    if constexpr (kFW) {
-      static_assert(kWide, "float words address the wide tile");
-      v[q] = __uint_as_float(wq[q].x);
-      load_vals<D, kNV>(reinterpret_cast<const typename T::S*>(
-                            reinterpret_cast<const char*>(h_s) + wq[q].y) + b0, hv[q]);
+    if constexpr (kByteOffset) {
+      static_assert(kWide, "byte offsets address the wide tile");
+      load_vals<D, kNV>(reinterpret_cast<const S*>(reinterpret_cast<const char*>(h_s) + loc[q]) + b0,
+                        hv[q]);
     } else {
-      int col;
-      T::unpack_w(wq[q], v[q], col);
-      gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv[q]);
+      gather_h<D, BT, kNV, kWide>(h_s, H, loc[q], b0, hv[q]);
     }
   }
 #pragma unroll
@@ -694,8 +692,29 @@ __device__ __forceinline__ void dot_words(const RowWordT<D, kFW> (&wq)[kDepth],
     for (int i = 0; i < kNV; ++i) acc[i] = on[q] ? fmaf(v[q], hv[q][i], acc[i]) : acc[i];
 }
 
-// One round of row_dot: this lane's nonzeros k, k + kNS, ..., k + (kDepth - 1) * kNS (with
-// kPredicated, only those below k1), all weight loads first, then dot_words.
+// dot_located for kDepth shared-memory words wq (RowWord).
+template <DType D, int BT, bool kWide, bool kFW, int kDepth>
+__device__ __forceinline__ void dot_words(const RowWordT<D, kFW> (&wq)[kDepth],
+                                          const bool (&on)[kDepth], const typename Tr<D>::S* h_s,
+                                          int H, int b0,
+                                          float (&acc)[RowMap<D, BT, kWide>::kNV]) {
+  float v[kDepth];
+  int loc[kDepth];
+#pragma unroll
+  for (int q = 0; q < kDepth; ++q) {
+    if constexpr (kFW) {
+      v[q] = __uint_as_float(wq[q].x);
+      loc[q] = static_cast<int>(wq[q].y);
+    } else {
+      Tr<D>::unpack_w(wq[q], v[q], loc[q]);
+    }
+  }
+  dot_located<D, BT, kWide, kFW, kDepth>(v, loc, on, h_s, H, b0, acc);
+}
+
+// One round of row_dot from shared memory: this lane's nonzeros k, k + kNS, ...,
+// k + (kDepth - 1) * kNS (with kPredicated, only those below k1), all weight loads first, then
+// dot_words.
 template <DType D, int BT, bool kWide, bool kFW, int kNS, int kDepth, bool kPredicated>
 __device__ __forceinline__ void dot_round(const RowWordT<D, kFW>* w_s,
                                           const typename Tr<D>::S* h_s, int H, int k, int k1,
@@ -709,6 +728,49 @@ __device__ __forceinline__ void dot_round(const RowWordT<D, kFW>* w_s,
     wq[q] = on[q] ? w_s[k + kNS * q] : W{};
   }
   dot_words<D, BT, kWide, kFW, kDepth>(wq, on, h_s, H, b0, acc);
+}
+
+// The same round for a row not held on chip: values and columns from global memory (L2), all
+// loads of the round in flight before the first gather, as in the shared-memory rounds.
+template <DType D, int BT, bool kWide, int kNS, int kDepth, bool kPredicated>
+__device__ __forceinline__ void dot_round_global(const typename Tr<D>::S* vals,
+                                                 const int32_t* col_idx,
+                                                 const typename Tr<D>::S* h_s, int H, int k,
+                                                 int k1, int b0,
+                                                 float (&acc)[RowMap<D, BT, kWide>::kNV]) {
+  float v[kDepth];
+  int col[kDepth];
+  bool on[kDepth];
+#pragma unroll
+  for (int q = 0; q < kDepth; ++q) {
+    on[q] = !kPredicated || k + kNS * q < k1;
+    v[q] = on[q] ? Tr<D>::to_f(__ldg(vals + k + kNS * q)) : 0.0f;
+    col[q] = on[q] ? __ldg(col_idx + k + kNS * q) : 0;
+  }
+  dot_located<D, BT, kWide, false, kDepth>(v, col, on, h_s, H, b0, acc);
+}
+
+// A compile-time round shape for row_rounds' callback.
+template <int kDepth, bool kPredicated>
+struct RoundShape {
+  static constexpr int depth = kDepth;
+  static constexpr bool predicated = kPredicated;
+};
+
+// A row's rounds from position kr to k1 (kNS lanes' slices striding it): rounds of kRowDepth
+// nonzeros per lane in flight while the row has that many left, then one predicated round of
+// kRowDepth or kRowTailDepth by what is left: long rows pay fewer dependent latencies, short
+// ones (ReLU H=1152, 10%: 3.6 nonzeros per lane) no more slots than they need. The choices
+// depend on the group's position kr only, not on the lane's slice, so a group never diverges
+// (lanes of one row differ by one nonzero at most). round(RoundShape, kr) runs one round.
+template <int kNS, class Round>
+__device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
+  for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS) round(RoundShape<kRowDepth, false>{}, kr);
+  if (k1 - kr > kRowTailDepth * kNS) {
+    round(RoundShape<kRowDepth, true>{}, kr);
+  } else if (kr < k1) {
+    round(RoundShape<kRowTailDepth, true>{}, kr);
+  }
 }
 
 // Step 2 for one row, by a group of kGroup lanes (a whole warp, or half of one: see
@@ -739,12 +801,6 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
 #pragma unroll
   for (int i = 0; i < kNV; ++i) acc[i] = 0.0f;
   if (k1 <= n_in) {
-    // Rounds of kRowDepth nonzeros per lane in flight (all weight loads, then all gathers, then
-    // the FMAs) while the row has that many left; then one predicated round of kRowDepth or
-    // kRowTailDepth by what is left: long rows pay fewer dependent shared-memory latencies,
-    // short ones (ReLU H=1152, 10%: 3.6 nonzeros per lane) no more slots than they need.
-    // The choices depend on the group's position kr only, not on the lane's slice, so a group
-    // never diverges (lanes of one row differ by one nonzero at most).
     int kr = k0;
     if constexpr (kRegW > 0) {
       if (use_reg) {  // this lane's first kRegW nonzeros of the row, held in wreg
@@ -755,16 +811,16 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
         kr = k0 + kRegW * kNS;
       }
     }
-    for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS)
-      dot_round<D, BT, kWide, kFW, kNS, kRowDepth, false>(w_s, h_s, H, kr + sl, k1, b0, acc);
-    if (k1 - kr > kRowTailDepth * kNS) {
-      dot_round<D, BT, kWide, kFW, kNS, kRowDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
-    } else if (kr < k1) {
-      dot_round<D, BT, kWide, kFW, kNS, kRowTailDepth, true>(w_s, h_s, H, kr + sl, k1, b0, acc);
-    }
+    row_rounds<kNS>(kr, k1, [&](auto shape, int k) {
+      using R = decltype(shape);
+      dot_round<D, BT, kWide, kFW, kNS, R::depth, R::predicated>(w_s, h_s, H, k + sl, k1, b0, acc);
+    });
   } else {
+    // Not on chip: the same rounds from L2 (one load per nonzero at a time left each warp
+    // waiting an L2 round trip every few nonzeros).
     const S* vals = static_cast<const S*>(p.values) + kb0;
     const int32_t* col_idx = p.col_idx + kb0;
+#ifdef SPRNN_AB_OLD_GLOBAL_ROWS  // TEMPORARY A/B (step probe only): the old loop
 #pragma unroll 4
     for (int k = k0 + sl; k < k1; k += kNS) {
       const float v = T::to_f(vals[k]);
@@ -774,6 +830,13 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
 #pragma unroll
       for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
     }
+    if (false)
+#endif
+    row_rounds<kNS>(k0, k1, [&](auto shape, int k) {
+      using R = decltype(shape);
+      dot_round_global<D, BT, kWide, kNS, R::depth, R::predicated>(vals, col_idx, h_s, H, k + sl,
+                                                                   k1, b0, acc);
+    });
   }
 }
 
