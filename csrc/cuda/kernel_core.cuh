@@ -603,7 +603,11 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #ifndef SPRNN_ROW_TAIL_DEPTH
 #define SPRNN_ROW_TAIL_DEPTH 4
 #endif
+#ifndef SPRNN_GLOBAL_ROW_DEPTH
+#define SPRNN_GLOBAL_ROW_DEPTH 16
+#endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
+constexpr int kGlobalRowDepth = SPRNN_GLOBAL_ROW_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
 // Register weights (persistent_fwd's kRegW > 0): each lane keeps the weight words of its first
@@ -669,8 +673,7 @@ struct RowMap {
 // given by its value v[q] and where its unit's h values are in the tile (loc[q]: the byte offset
 // with kByteOffset, else the column): all gathers first, then the FMAs into acc.
 template <DType D, int BT, bool kWide, bool kByteOffset, int kDepth>
-__device__ __forceinline__ void dot_located(const float (&v)[kDepth], const int (&loc)[kDepth],
-                                            const bool (&on)[kDepth],
+__device__ __forceinline__ void dot_located(const float* v, const int* loc, const bool* on,
                                             const typename Tr<D>::S* h_s, int H, int b0,
                                             float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using S = typename Tr<D>::S;
@@ -747,7 +750,12 @@ __device__ __forceinline__ void dot_round_global(const typename Tr<D>::S* vals,
     v[q] = on[q] ? Tr<D>::to_f(__ldg(vals + k + kNS * q)) : 0.0f;
     col[q] = on[q] ? __ldg(col_idx + k + kNS * q) : 0;
   }
-  dot_located<D, BT, kWide, false, kDepth>(v, col, on, h_s, H, b0, acc);
+  // The gathers at most kRowDepth at a time (their values take the registers).
+  constexpr int kPart = kDepth < kRowDepth ? kDepth : kRowDepth;
+  static_assert(kDepth % kPart == 0, "whole parts");
+#pragma unroll
+  for (int q = 0; q < kDepth; q += kPart)
+    dot_located<D, BT, kWide, false, kPart>(v + q, col + q, on + q, h_s, H, b0, acc);
 }
 
 // A compile-time round shape for row_rounds' callback.
@@ -763,13 +771,13 @@ struct RoundShape {
 // ones (ReLU H=1152, 10%: 3.6 nonzeros per lane) no more slots than they need. The choices
 // depend on the group's position kr only, not on the lane's slice, so a group never diverges
 // (lanes of one row differ by one nonzero at most). round(RoundShape, kr) runs one round.
-template <int kNS, class Round>
+template <int kNS, int kDepth, int kTailDepth, class Round>
 __device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
-  for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS) round(RoundShape<kRowDepth, false>{}, kr);
-  if (k1 - kr > kRowTailDepth * kNS) {
-    round(RoundShape<kRowDepth, true>{}, kr);
+  for (; kr + kDepth * kNS <= k1; kr += kDepth * kNS) round(RoundShape<kDepth, false>{}, kr);
+  if (k1 - kr > kTailDepth * kNS) {
+    round(RoundShape<kDepth, true>{}, kr);
   } else if (kr < k1) {
-    round(RoundShape<kRowTailDepth, true>{}, kr);
+    round(RoundShape<kTailDepth, true>{}, kr);
   }
 }
 
@@ -811,7 +819,7 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
         kr = k0 + kRegW * kNS;
       }
     }
-    row_rounds<kNS>(kr, k1, [&](auto shape, int k) {
+    row_rounds<kNS, kRowDepth, kRowTailDepth>(kr, k1, [&](auto shape, int k) {
       using R = decltype(shape);
       dot_round<D, BT, kWide, kFW, kNS, R::depth, R::predicated>(w_s, h_s, H, k + sl, k1, b0, acc);
     });
@@ -832,7 +840,7 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
     }
     if (false)
 #endif
-    row_rounds<kNS>(k0, k1, [&](auto shape, int k) {
+    row_rounds<kNS, kGlobalRowDepth, kRowTailDepth>(k0, k1, [&](auto shape, int k) {
       using R = decltype(shape);
       dot_round_global<D, BT, kWide, kNS, R::depth, R::predicated>(vals, col_idx, h_s, H, k + sl,
                                                                    k1, b0, acc);
