@@ -272,6 +272,39 @@ def test_reg_weights(cell, dtype, words, monkeypatch):
         check(cell, dtype, (4, 4, 517, 0.7, "skewed"), 3, 2)
 
 
+SPLIT_SHAPES = [(5, 4, 517, 0.3, "skewed"), (4, 9, 1152, 0.1, "empty_rows")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_rows_from_l2(cell, dtype, monkeypatch):
+    # Rows past a block's on-chip room run from L2 in rounds (kernel_core.cuh row_dot).
+    # SPRNN_CUDA_W_CAP caps the room: 0 puts every row in L2 (the shape sweep, and the naive
+    # layout); 300 words split blocks between the two paths (the row offsets come first), in
+    # the default build and in those that change the row loop: register weights, float words,
+    # the deep gather, half warps, tiles 1 and 16.
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    monkeypatch.setenv("SPRNN_CUDA_W_CAP", "0")
+    info = cuda_lowering.plan(cell, jnp.dtype(dtype), 517, 4, 50000)
+    assert info["nnz_per_block_capacity"] == 0 and not info["on_chip"], info
+    for n, shape in enumerate(SHAPES):
+        check(cell, dtype, shape, 3, n)
+    check(cell, dtype, (5, 4, 300, 0.5, "skewed"), 0, 1, bank_period=0)
+    monkeypatch.setenv("SPRNN_CUDA_W_CAP", "300")
+    builds = [{}, {"SPRNN_CUDA_DEEP_GATHER": "1"}, {"SPRNN_CUDA_ROW_LANES": "16"},
+              {"SPRNN_CUDA_BT": "1"}, {"SPRNN_CUDA_BT": "16"}]
+    if dtype != "float32":
+        builds += [{"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": words}
+                   for words in ("0", "1")]
+    for knobs in builds:
+        with monkeypatch.context() as m:
+            for name, value in knobs.items():
+                m.setenv(name, value)
+            for n, shape in enumerate(SPLIT_SHAPES):
+                check(cell, dtype, shape, 3, n)
+
+
 @pytest.mark.parametrize("cell", CELLS)
 def test_block_local_weights_long_sequence(cell):
     # A banded matrix: a block's rows read only its own and neighbouring units, so with the

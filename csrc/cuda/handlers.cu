@@ -348,6 +348,12 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       best = c;
     }
   }
+  // SPRNN_CUDA_W_CAP (tests): at most this many words of nonzeros and row offsets per block on
+  // chip, so that the rows past them run from L2 in any build (kernel_core.cuh row_dot).
+  if (const long long cap = env_int("SPRNN_CUDA_W_CAP", -1); cap >= 0 && best.persistent) {
+    best.w_cap = std::min(best.w_cap, cap);
+    best.on_chip = best.w_cap >= best.w_need;
+  }
   if (!best.on_chip && !found_on_chip) {
     // Only when no batch tile would hold the layer on chip: a chosen partial fit is a
     // measured speed choice, not a capacity problem.

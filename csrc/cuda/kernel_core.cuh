@@ -603,11 +603,7 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #ifndef SPRNN_ROW_TAIL_DEPTH
 #define SPRNN_ROW_TAIL_DEPTH 4
 #endif
-#ifndef SPRNN_GLOBAL_ROW_DEPTH
-#define SPRNN_GLOBAL_ROW_DEPTH 16
-#endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
-constexpr int kGlobalRowDepth = SPRNN_GLOBAL_ROW_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
 // Register weights (persistent_fwd's kRegW > 0): each lane keeps the weight words of its first
@@ -673,7 +669,8 @@ struct RowMap {
 // given by its value v[q] and where its unit's h values are in the tile (loc[q]: the byte offset
 // with kByteOffset, else the column): all gathers first, then the FMAs into acc.
 template <DType D, int BT, bool kWide, bool kByteOffset, int kDepth>
-__device__ __forceinline__ void dot_located(const float* v, const int* loc, const bool* on,
+__device__ __forceinline__ void dot_located(const float (&v)[kDepth], const int (&loc)[kDepth],
+                                            const bool (&on)[kDepth],
                                             const typename Tr<D>::S* h_s, int H, int b0,
                                             float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using S = typename Tr<D>::S;
@@ -750,12 +747,7 @@ __device__ __forceinline__ void dot_round_global(const typename Tr<D>::S* vals,
     v[q] = on[q] ? Tr<D>::to_f(__ldg(vals + k + kNS * q)) : 0.0f;
     col[q] = on[q] ? __ldg(col_idx + k + kNS * q) : 0;
   }
-  // The gathers at most kRowDepth at a time (their values take the registers).
-  constexpr int kPart = kDepth < kRowDepth ? kDepth : kRowDepth;
-  static_assert(kDepth % kPart == 0, "whole parts");
-#pragma unroll
-  for (int q = 0; q < kDepth; q += kPart)
-    dot_located<D, BT, kWide, false, kPart>(v + q, col + q, on + q, h_s, H, b0, acc);
+  dot_located<D, BT, kWide, false, kDepth>(v, col, on, h_s, H, b0, acc);
 }
 
 // A compile-time round shape for row_rounds' callback.
@@ -771,13 +763,13 @@ struct RoundShape {
 // ones (ReLU H=1152, 10%: 3.6 nonzeros per lane) no more slots than they need. The choices
 // depend on the group's position kr only, not on the lane's slice, so a group never diverges
 // (lanes of one row differ by one nonzero at most). round(RoundShape, kr) runs one round.
-template <int kNS, int kDepth, int kTailDepth, class Round>
+template <int kNS, class Round>
 __device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
-  for (; kr + kDepth * kNS <= k1; kr += kDepth * kNS) round(RoundShape<kDepth, false>{}, kr);
-  if (k1 - kr > kTailDepth * kNS) {
-    round(RoundShape<kDepth, true>{}, kr);
+  for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS) round(RoundShape<kRowDepth, false>{}, kr);
+  if (k1 - kr > kRowTailDepth * kNS) {
+    round(RoundShape<kRowDepth, true>{}, kr);
   } else if (kr < k1) {
-    round(RoundShape<kTailDepth, true>{}, kr);
+    round(RoundShape<kRowTailDepth, true>{}, kr);
   }
 }
 
@@ -819,28 +811,18 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
         kr = k0 + kRegW * kNS;
       }
     }
-    row_rounds<kNS, kRowDepth, kRowTailDepth>(kr, k1, [&](auto shape, int k) {
+    row_rounds<kNS>(kr, k1, [&](auto shape, int k) {
       using R = decltype(shape);
       dot_round<D, BT, kWide, kFW, kNS, R::depth, R::predicated>(w_s, h_s, H, k + sl, k1, b0, acc);
     });
   } else {
-    // Not on chip: the same rounds from L2 (one load per nonzero at a time left each warp
-    // waiting an L2 round trip every few nonzeros).
+    // Not on chip: the same rounds, from L2. Step probe, fp16, B=4, us/step, against the loop
+    // before (4 nonzeros per lane in flight): ReLU H=4096 50% 14.76 -> 11.95, ReLU H=2304 30%
+    // with 3/4 on chip 4.01 -> 3.84, LSTM H=4096 9.10 -> 8.98; rounds of 16 lost (LSTM H=4096
+    // 11.46: the register-weights build runs out of registers; benchmarks/NOTES.md, session 25).
     const S* vals = static_cast<const S*>(p.values) + kb0;
     const int32_t* col_idx = p.col_idx + kb0;
-#ifdef SPRNN_AB_OLD_GLOBAL_ROWS  // TEMPORARY A/B (step probe only): the old loop
-#pragma unroll 4
-    for (int k = k0 + sl; k < k1; k += kNS) {
-      const float v = T::to_f(vals[k]);
-      const int col = __ldg(col_idx + k);
-      float hv[kNV];
-      gather_h<D, BT, kNV, kWide>(h_s, H, col, b0, hv);
-#pragma unroll
-      for (int i = 0; i < kNV; ++i) acc[i] = fmaf(v, hv[i], acc[i]);
-    }
-    if (false)
-#endif
-    row_rounds<kNS, kGlobalRowDepth, kRowTailDepth>(k0, k1, [&](auto shape, int k) {
+    row_rounds<kNS>(k0, k1, [&](auto shape, int k) {
       using R = decltype(shape);
       dot_round_global<D, BT, kWide, kNS, R::depth, R::predicated>(vals, col_idx, h_s, H, k + sl,
                                                                    k1, b0, acc);
