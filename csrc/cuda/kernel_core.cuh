@@ -773,25 +773,6 @@ __device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
   }
 }
 
-template <int N>
-struct Sums {
-  float v[N];
-};
-template <DType D, int BT, bool kWide, int kNS>
-__device__ __noinline__ Sums<RowMap<D, BT, kWide>::kNV> row_dot_global(
-    const typename Tr<D>::S* vals, const int32_t* col_idx, const typename Tr<D>::S* h_s, int H,
-    int k, int k1, int b0) {
-  Sums<RowMap<D, BT, kWide>::kNV> acc;
-#pragma unroll
-  for (int i = 0; i < RowMap<D, BT, kWide>::kNV; ++i) acc.v[i] = 0.0f;
-  row_rounds<kNS>(k, k1, [&](auto shape, int kk) {
-    using R = decltype(shape);
-    dot_round_global<D, BT, kWide, kNS, R::depth, R::predicated>(vals, col_idx, h_s, H, kk, k1,
-                                                                 b0, acc.v);
-  });
-  return acc;
-}
-
 // Step 2 for one row, by a group of kGroup lanes (a whole warp, or half of one: see
 // compute_rows): the dot products of the row's nonzeros [k0, k1) (offsets
 // from the block's first nonzero; those below n_in are in w_s, the rest are read from global
@@ -841,17 +822,11 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
     // 11.46: the register-weights build runs out of registers; benchmarks/NOTES.md, session 25).
     const S* vals = static_cast<const S*>(p.values) + kb0;
     const int32_t* col_idx = p.col_idx + kb0;
-#ifdef SPRNN_AB_GLOBAL_NOINLINE
-    const auto sums = row_dot_global<D, BT, kWide, kNS>(vals, col_idx, h_s, H, k0 + sl, k1, b0);
-#pragma unroll
-    for (int i = 0; i < kNV; ++i) acc[i] = sums.v[i];
-#else
     row_rounds<kNS>(k0, k1, [&](auto shape, int k) {
       using R = decltype(shape);
       dot_round_global<D, BT, kWide, kNS, R::depth, R::predicated>(vals, col_idx, h_s, H, k + sl,
                                                                    k1, b0, acc);
     });
-#endif
   }
 }
 
