@@ -174,3 +174,18 @@ def test_partial_fit_tiles():
         assert got == (bt, (B + bt - 1) // bt, on_chip, warned), (cell, H, B, d, info)
         if warned:
             assert "do not fit on chip" in info["reason"], info
+
+
+def test_w_cap_knob(monkeypatch):
+    # SPRNN_CUDA_W_CAP (the GPU tests' way to run rows from L2 in every build) lowers the room
+    # for nonzeros only: the tile and blocks stay, and no warning (a tile would hold the layer).
+    nnz = nnz_of("rnn", 1152, 0.1)
+    base = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **H200)
+    assert base["on_chip"] and base["nnz_per_block_capacity"] > 300, base
+    for cap in (0, 300):
+        monkeypatch.setenv("SPRNN_CUDA_W_CAP", str(cap))
+        info = cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **H200)
+        assert info["nnz_per_block_capacity"] == cap and not info["on_chip"], info
+        assert (info["batch_tile"], info["blocks"], info["reason"]) == (4, 132, ""), info
+    monkeypatch.setenv("SPRNN_CUDA_W_CAP", str(10 ** 9))  # above the room: no change
+    assert cuda_lowering.plan("rnn", jnp.float16, 1152, 4, nnz, **H200) == base

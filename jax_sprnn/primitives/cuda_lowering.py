@@ -63,7 +63,8 @@ variant 5: default from the row length), ``SPRNN_CUDA_DEEP_GATHER`` (0 / 1 force
 gather off / on for batch tiles of 4), ``SPRNN_CUDA_REG_WEIGHTS`` (0 / 1 forces the register
 weights off / on for 16-bit batch tiles of 4 without the deep gather), ``SPRNN_CUDA_FLOAT_WORDS``
 (0 turns the 16-bit float words off, 1 forces them beside the register weights even where
-nonzeros then stay in L2).
+nonzeros then stay in L2), ``SPRNN_CUDA_W_CAP`` (tests: at most this many words of nonzeros
+and row offsets per block on chip, so the rest run from L2).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
