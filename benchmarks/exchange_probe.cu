@@ -379,17 +379,21 @@ all_to_all_bulk(const unsigned* words_in, int steps, int wpb, int unpack, int gr
 #endif
 }
 
-// After an all-to-all launch: its abort flag (0 = every block finished), the slowest block's
-// time in us per step and the poll rounds counted over all threads.
+// After an all-to-all launch: waits for it and reads its abort flag (0 = every block finished;
+// otherwise prints "<name>: TIMEOUT"), the slowest block's time in us per step and the poll
+// rounds counted over all threads.
 struct AllToAllResult {
   int flag = 0;
   double us_per_step = 0;
   unsigned long long rounds = 0;
 };
-AllToAllResult read_all_to_all(const int* abort, const unsigned long long* ns,
-                               const unsigned long long* rounds, int nb, int steps) {
+AllToAllResult finish_all_to_all(const char* name, const int* abort, const unsigned long long* ns,
+                                 const unsigned long long* rounds, int nb, int steps) {
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
   AllToAllResult r;
   CHECK(cudaMemcpy(&r.flag, abort, sizeof(int), cudaMemcpyDeviceToHost));
+  if (r.flag) std::printf("%s: TIMEOUT (flag %d)\n", name, r.flag);
   std::vector<unsigned long long> t(nb);
   CHECK(cudaMemcpy(t.data(), ns, nb * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
   CHECK(cudaMemcpy(&r.rounds, rounds, sizeof(r.rounds), cudaMemcpyDeviceToHost));
@@ -468,12 +472,8 @@ int shared_all_to_all(int nb, int threads, int steps, int wpb, int csize, int sm
     cfg.numAttrs = 1;  // co-residency from the occupancy check above
     CHECK(cudaLaunchKernelEx(&cfg, all_to_all_shared, words, steps, wpb, csize, ns, rounds, abort));
   }
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  const AllToAllResult res = read_all_to_all(abort, ns, rounds, nb, steps);
-  if (res.flag) {
-    std::printf("all-to-all shared: TIMEOUT (flag %d)\n", res.flag);
-  } else {
+  const AllToAllResult res = finish_all_to_all("all-to-all shared", abort, ns, rounds, nb, steps);
+  if (!res.flag) {
     std::printf("all-to-all shared %d (%s launch): %d blocks x %d threads, %d words per block, "
                 "%d bytes from L2 per block per step, %d steps: %.3f us/step, %.2f poll rounds "
                 "per thread and step\n", csize, coop ? "cooperative" : "plain", nb, threads, wpb,
@@ -504,12 +504,8 @@ int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int gro
   int st = steps, w = wpb, u = unpack, g = group;
   void* args[] = {&words, &st, &w, &u, &g, &ns, &rounds, &abort};
   CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb), dim3(threads), args, smem, nullptr));
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  const AllToAllResult res = read_all_to_all(abort, ns, rounds, nb, steps);
-  if (res.flag) {
-    std::printf("all-to-all bulk: TIMEOUT (flag %d)\n", res.flag);
-  } else {
+  const AllToAllResult res = finish_all_to_all("all-to-all bulk", abort, ns, rounds, nb, steps);
+  if (!res.flag) {
     std::printf("all-to-all bulk%s: %d blocks x %d threads, %d words (%d bytes by TMA) per block "
                 "per step, %d chunks of %d blocks' words, %d steps: %.3f us/step, %.2f copies per "
                 "chunk and step\n", unpack ? " + unpack" : "", nb, threads, wpb, nb * wpb * 4,
@@ -599,13 +595,9 @@ int main(int argc, char** argv) {
                                   : reinterpret_cast<const void*>(all_to_all<1>);
     CHECK(cudaLaunchCooperativeKernel(fn, dim3(nb),
                                       dim3(threads), args, 0, nullptr));
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
   }
-  const AllToAllResult res = read_all_to_all(abort, ns, rounds, nb, steps);
-  if (res.flag) {
-    std::printf("all-to-all: TIMEOUT\n");
-  } else {
+  const AllToAllResult res = finish_all_to_all("all-to-all", abort, ns, rounds, nb, steps);
+  if (!res.flag) {
     // polling threads per block: min(threads, items); each takes its items in batches of 8 (depth 1) or 4
     const int items = nb * wpb / 4, pollers = std::min(threads, items), per = depth == 1 ? 8 : 4;
     const int batches = (items + pollers * per - 1) / (pollers * per);

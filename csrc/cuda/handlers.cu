@@ -247,7 +247,9 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // chip. Float32 rows read from L2 cost ~3x more per nonzero: ReLU H=12000 1% fp32 B=4 tile 4
   // 15.82 (37%), 2 10.58 (100%); ReLU H=7000 5% fp32 tile 4 10.91 (76%), 2 9.24 (100%).
   // (Until session 24 the plan took the largest tile that kept 3/4 of the nonzeros on chip,
-  // else the one that kept the most: up to 2.9x slower.)
+  // else the one that kept the most: up to 2.9x slower.) These figures predate the rows read
+  // from L2 in rounds (session 25), which made every partial fit faster and kept the same
+  // choices the fastest or within 10% (e.g. ReLU H=12000 1% fp32 tile 4 15.79, 2 10.46).
   bool found = false, found_on_chip = false;
   Plan best, best_on_chip;
   for (int i = 0; i < nc; ++i) {
