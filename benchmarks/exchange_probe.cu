@@ -17,7 +17,7 @@
 //    phase. ReLU H=1152 at B=4 fp16 reads 18 KB per block and step: 132 blocks x 36 words. With
 //    `flagged` 1 the words are raw and each block raises one release flag after them (half the
 //    bytes of 16-bit data, one more L2 round trip). `depth` poll rounds in flight, issued `gap`
-//    clock cycles apart (poll_tagged); prints the poll rounds each thread consumed per batch.
+//    clock cycles apart (poll_items); prints the poll rounds each thread consumed per batch.
 // 3. With `share` C >= 1 (sm_90): the all-to-all of 2., but the blocks run in thread block
 //    clusters of C, each block polls only a C-th of the items from L2 and hands their values (the
 //    8 bytes of an item without tags) to its C-1 peers with st.async, counted on their
@@ -100,6 +100,18 @@ __global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* 
   }
 }
 
+// Item checks for poll_items: all 4 words carry the step's tag (Lamport words), or no 16-bit
+// half is the sentinel 0xffff (sentinel words: raw values, reset after use).
+__device__ __forceinline__ auto tagged_fresh(unsigned tag) {
+  return [tag](const uint4& w) {
+    return (w.x >> 16) == tag && (w.y >> 16) == tag && (w.z >> 16) == tag && (w.w >> 16) == tag;
+  };
+}
+__device__ __forceinline__ bool no_sentinel(const uint4& w) {
+  return (__vcmpeq2(w.x, 0xffffffffu) | __vcmpeq2(w.y, 0xffffffffu) | __vcmpeq2(w.z, 0xffffffffu) |
+          __vcmpeq2(w.w, 0xffffffffu)) == 0u;
+}
+
 // Rounds of pipelined polling for one thread's items (ib, ib + nthr, ... up to N): D rounds
 // of loads in flight, issued `gap` clock cycles apart, each consumed in turn and re-issued for
 // the still-pending items. D = 1 is the kernel's gather (a stale item costs a whole L2 round
@@ -107,8 +119,8 @@ __global__ void ping_pong(unsigned* words, unsigned* sm_of, unsigned long long* 
 // traffic. Measured (NOTES.md, session 7): they do not; the extra polls slow every block.
 // Each item whose 4 words carry the tag goes to accept(item index, its 16 bytes) once. Counts
 // consumed rounds in `rounds`. false on a timeout.
-template <int D, int N, class Accept>
-__device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr, int nitems, unsigned tag,
+template <int D, int N, class Fresh, class Accept>
+__device__ __forceinline__ bool poll_items(const uint4* slot, int ib, int nthr, int nitems, Fresh&& fresh,
                             long long gap, Accept&& accept, unsigned long long& rounds) {
   unsigned pending = 0;
   for (int i = 0; i < N; ++i) pending |= (ib + i * nthr < nitems ? 1u : 0u) << i;
@@ -134,8 +146,7 @@ __device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr,
     for (int d = 0; d < D; ++d) {
 #pragma unroll
       for (int i = 0; i < N; ++i)
-        if (((pending >> i) & 1u) && (w[d][i].x >> 16) == tag && (w[d][i].y >> 16) == tag &&
-            (w[d][i].z >> 16) == tag && (w[d][i].w >> 16) == tag) {
+        if (((pending >> i) & 1u) && fresh(w[d][i])) {
           accept(ib + i * nthr, w[d][i]);
           pending &= ~(1u << i);
         }
@@ -150,9 +161,13 @@ __device__ __forceinline__ bool poll_tagged(const uint4* slot, int ib, int nthr,
 // All-to-all steps with a payload of wpb 32-bit words per block (wpb % 4 == 0), two slots.
 // Tagged (flagged == 0): every word carries the step's tag in its high half (the kernel's 16-bit
 // Lamport words); each reader polls all nb * wpb words with 16-byte loads, up to 8 per thread
-// and round, `depth` rounds in flight (poll_tagged). Flagged: raw words, then one release flag
+// and round, `depth` rounds in flight (poll_items). Flagged: raw words, then one release flag
 // per block; a reader's threads poll the nb flags (acquire), barrier, then read the words once.
 // Both end with a block barrier, like the kernel's gather. rounds: poll rounds consumed.
+// Sentinel (flagged 2, 3, 4): raw 16-bit values in four slots, polled until no half is 0xffff,
+// then reset for the step after next (the paper's Lamport buffers): half the bytes of tagged
+// words, plus one fence per thread and step (2: fence.acq_rel.gpu, 4: fence.sc.gpu; 3: none,
+// unsafe, to price the fence).
 // N = 8 items per thread and batch at D = 1, else 4 (registers). kMaxThreads 1024 (D = 1
 // only) is the thread count of DESIGN.md's exchange floor; it caps the registers at 64.
 template <int D, int kMaxThreads = 512>
@@ -165,12 +180,32 @@ all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, lo
   unsigned sink = 0;
   unsigned long long my_rounds = 0;
   const unsigned long long t0 = global_ns();
+  const bool sentinel = flagged >= 2;
+  const int nslots = sentinel ? 4 : 2;
   for (int s = 0; s < steps; ++s) {
     const unsigned tag = static_cast<unsigned>(s % 65535 + 1);
-    unsigned* slot = words + static_cast<long long>(s & 1) * nb * wpb;
+    unsigned* slot = words + static_cast<long long>(s % nslots) * nb * wpb;
     for (int i = tid; i < wpb; i += nthr)
       st_relaxed(slot + b * wpb + i, flagged ? static_cast<unsigned>(i) : (tag << 16) | i);
     bool ok = true;
+    if (sentinel) {
+      // Raw 16-bit values; a half of 0xffff means "not yet written". Every block has seen step
+      // s, published after its reads of step s - 1, so this block's words of slot s - 1 can be
+      // reset for step s + 3. The fence after the poll orders this step's observations before
+      // the next polls and the previous reset before the next publish (release/acquire).
+      const uint4* s4 = reinterpret_cast<const uint4*>(slot);
+      for (int ib = tid; ib < nitems && ok; ib += nthr * 8) {
+        ok = poll_items<1, 8>(s4, ib, nthr, nitems, no_sentinel, 0,
+                              [&](int, const uint4& w) { sink += w.x ^ w.w; }, my_rounds);
+        if (!ok) atomicExch(abort, 1);
+      }
+      if (flagged == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      if (flagged == 4) asm volatile("fence.sc.gpu;" ::: "memory");
+      if (__syncthreads_or(!ok)) return;
+      unsigned* old = words + static_cast<long long>((s + 3) % nslots) * nb * wpb;
+      for (int i = tid; i < wpb; i += nthr) st_relaxed(old + b * wpb + i, 0xffffffffu);
+      continue;
+    }
     if (flagged) {
       __syncthreads();
       if (tid == 0) {
@@ -194,7 +229,7 @@ all_to_all(unsigned* words, unsigned* flags, int steps, int wpb, int flagged, lo
       const uint4* s4 = reinterpret_cast<const uint4*>(slot);
       constexpr int N = D == 1 ? 8 : 4;
       for (int ib = tid; ib < nitems && ok; ib += nthr * N) {
-        ok = poll_tagged<D, N>(s4, ib, nthr, nitems, tag, gap,
+        ok = poll_items<D, N>(s4, ib, nthr, nitems, tagged_fresh(tag), gap,
                                [&](int, const uint4& w) { sink += w.x ^ w.w; }, my_rounds);
         if (!ok) atomicExch(abort, 1);
       }
@@ -269,7 +304,7 @@ all_to_all_shared(unsigned* words, int steps, int wpb, int csize, unsigned long 
     };
     constexpr int N = 8;
     for (int k0 = tid; k0 < mine && ok; k0 += nthr * N)
-      ok = poll_tagged<1, N>(s4 + lo, k0, nthr, mine, tag, 0, accept, my_rounds);
+      ok = poll_items<1, N>(s4 + lo, k0, nthr, mine, tagged_fresh(tag), 0, accept, my_rounds);
     // Every thread waits for the peers' bytes of this step (phase s / 2 of slot s % 2).
     for (long long i = 0; ok && !mbar_try_wait(&bar[s & 1], (s >> 1) & 1); )
       if (++i > kMaxSpins) ok = false;
@@ -533,17 +568,18 @@ int main(int argc, char** argv) {
   if (bulk > 0) return bulk_all_to_all(nb, threads, steps, wpb, bulk == 2, group, smem_kb);
   if (share > 0) return shared_all_to_all(nb, threads, steps, wpb, share, smem_kb);
   if (nb < 2 || nb > sms || threads < 32 || threads > (depth == 1 ? 1024 : 512) || steps < 1 ||
-      wpb < 4 || wpb % 4 || depth < 1 || depth > 3 || gap < 0) {
+      wpb < 4 || wpb % 4 || depth < 1 || depth > 3 || gap < 0 || flagged < 0 || flagged > 4 ||
+      (flagged >= 2 && depth != 1)) {
     std::fprintf(stderr,
                  "usage: exchange_probe [blocks 2..%d] [threads 32..512, or ..1024 at depth 1] "
-                 "[steps] [words per block, multiple of 4] [flagged 0/1] [poll depth 1..3] "
+                 "[steps] [words per block, multiple of 4] [flagged 0..4] [poll depth 1..3] "
                  "[gap cycles]\n", sms);
     return 2;
   }
   unsigned *words, *flags, *sm_of;
   unsigned long long *rtt, *ns, *rounds;
   int* abort;
-  const size_t nwords = 2 * static_cast<size_t>(nb) * wpb;  // ping-pong uses the first 2 nb
+  const size_t nwords = 4 * static_cast<size_t>(nb) * wpb;  // ping-pong uses the first 2 nb
   CHECK(cudaMalloc(&words, nwords * sizeof(unsigned)));
   CHECK(cudaMalloc(&flags, 2 * nb * sizeof(unsigned)));
   CHECK(cudaMalloc(&sm_of, nb * sizeof(unsigned)));
@@ -580,8 +616,8 @@ int main(int argc, char** argv) {
     for (int k = 1; k < nb; ++k) std::printf("  partner block %3d SM %3u: %llu ns\n", k, sm[k], r[k]);
   }
 
-  // 2. all-to-all steps
-  CHECK(cudaMemset(words, 0, nwords * sizeof(unsigned)));
+  // 2. all-to-all steps (sentinel words start as "not yet written")
+  CHECK(cudaMemset(words, flagged >= 2 ? 0xff : 0, nwords * sizeof(unsigned)));
   CHECK(cudaMemset(flags, 0, 2 * nb * sizeof(unsigned)));
   CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
   CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
@@ -603,9 +639,9 @@ int main(int argc, char** argv) {
     const int batches = (items + pollers * per - 1) / (pollers * per);
     std::printf("all-to-all %s: %d blocks x %d threads, %d words (%d bytes read) per block per step, "
                 "%d steps, poll depth %d gap %lld cycles: %.3f us/step, %.2f poll rounds per "
-                "thread batch\n", flagged ? "flagged" : "tagged", nb, threads, wpb, nb * wpb * 4,
+                "thread batch\n", flagged == 2 ? "sentinel+fence.acq_rel" : flagged == 3 ? "sentinel, no fence" : flagged == 4 ? "sentinel+fence.sc" : flagged ? "flagged" : "tagged", nb, threads, wpb, nb * wpb * 4,
                 steps, depth, gap, res.us_per_step,
-                flagged ? 0.0 : static_cast<double>(res.rounds) / (static_cast<double>(nb) * pollers * batches * steps));
+                flagged == 1 ? 0.0 : static_cast<double>(res.rounds) / (static_cast<double>(nb) * pollers * batches * steps));
   }
   return 0;
 }
