@@ -4,7 +4,7 @@
 // 256 is the fastest, 1024 the slowest) and 24 (the TMA gathers no faster than the threads).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/exchange_probe.cu -o exchange_probe
-//   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged] [depth] [gap]
+//   ./exchange_probe [blocks] [threads] [steps] [words per block] [flagged 0-4] [depth] [gap]
 //                    [share] [smem KB] [bulk] [group]
 //
 // 1. Ping-pong: block 0 and block k (k = 1 .. blocks-1, one at a time) bounce a tagged word
@@ -35,7 +35,18 @@
 //    clock per SM from L2 (session 20), which bounds ReLU H=5760's gather (92 KB per block and
 //    step, ~2 us); does the TMA take them in faster?
 //    No: 2.85 us/step at best (copies of 12 blocks' words) against the threads' 2.73.
+// 5. With `flagged` 2, 3 or 4: the all-to-all of 2. with sentinel words (session 26): raw 16-bit
+//    values in four slots, reset to 0xffff once every block has moved on (the paper's Lamport
+//    buffers), half the bytes of tagged words. Correct only with a fence per thread and step
+//    between the reset and the next publish; 3 leaves it out to price it. Measured: the fence
+//    costs what the bytes save (2.29 against tagged 2.32 us/step at 176 tagged words' worth of
+//    data; 1.89 without the fence), and at the small layers' sizes sentinel words are slower
+//    than tagged ones even without it (ReLU H=1152's data: 1.38 against 1.27; H=2304's: 1.49
+//    against 1.40).
 // Every wait is bounded (a stuck run prints TIMEOUT instead of hanging).
+// The tagged all-to-all's time depends on the poll loop's code shape by up to 16% (session 26:
+// the same loop from two source shapes, 2.73 against 2.31 us/step at 176 words): compare
+// settings within one build, never against figures of an older build.
 #include <cuda_runtime.h>
 
 #include <algorithm>
