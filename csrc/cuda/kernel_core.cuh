@@ -1281,19 +1281,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
 #pragma unroll
             for (int i = 0; i < K; ++i) {
-#ifndef SPRNN_GATHER_NO_LEFT_BREAK
               if (i >= left) break;  // items past the end: none in this round
-#endif
-#ifdef SPRNN_GATHER_FUSED_CHECK
               if (!((pending >> i) & 1u)) continue;
+              // All of an item's tags in one predicate, one branch per item: the short-circuit
+              // form branched per pair of words and cost 1-4.5% of the step (step probe,
+              // ReLU H=5760 5.59 -> 5.34 us/step; benchmarks/NOTES.md session 26).
               bool ok = true;
 #pragma unroll
               for (int q = 0; q < kCW; ++q) ok &= T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2;
-#else
-              bool ok = (pending >> i) & 1u;
-#pragma unroll
-              for (int q = 0; q < kCW; ++q) ok = ok && (T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
-#endif
               if (ok) {
                 uint32_t bits[kCW];
 #pragma unroll
