@@ -1282,13 +1282,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
 #pragma unroll
             for (int i = 0; i < K; ++i) {
               if (i >= left) break;  // items past the end: none in this round
-              // The item's pending bit and all its tags in one predicate (no branch before the
-              // store). The package build made that of a short-circuit form too, but the step
-              // probe's (a runtime probe mode) branched per pair of words, and its gather ran up
-              // to 0.25 us slower than the package's (benchmarks/NOTES.md session 26).
               bool ok = (pending >> i) & 1u;
 #pragma unroll
-              for (int q = 0; q < kCW; ++q) ok &= T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2;
+              for (int q = 0; q < kCW; ++q) ok = ok && (T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
               if (ok) {
                 uint32_t bits[kCW];
 #pragma unroll
