@@ -3,6 +3,9 @@
 // one process per GPU call. Built with SPRNN_STEP_PROBE, which turns on the kernel's phase
 // stamps (thread 0 of every block: clock64 + %globaltimer at gather start, gather done, rows
 // done, update done) and the probe modes (1 = skip the rows, 2 = do not wait for the tags).
+// Built with -DSPRNN_PROBE_FIXED_MODE=0 as well, the mode is a constant and the kernel's code
+// is the package's but for the stamps (a runtime mode changes the gather's code: NOTES.md,
+// session 26); such a build runs configs of that mode only.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
@@ -233,6 +236,13 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
   }
   unsigned long long* trace = static_cast<unsigned long long*>(zeros(static_cast<size_t>(kT) * nb * 8 * 8));
+#if defined(SPRNN_PROBE_FIXED_MODE)
+  if (c.mode != SPRNN_PROBE_FIXED_MODE) {
+    std::fprintf(stderr, "mode %d: this build runs mode %d only (SPRNN_PROBE_FIXED_MODE)\n", c.mode,
+                 SPRNN_PROBE_FIXED_MODE);
+    return;
+  }
+#endif
   CHECK(cudaMemcpyToSymbol(g_probe_mode, &c.mode, sizeof(int)));
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));

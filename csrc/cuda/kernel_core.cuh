@@ -486,13 +486,17 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
 // 4..7 timers), and g_probe_mode can switch parts off or add some: 1 = skip the rows (exchange
 // only), 2 = do not wait for the tags (no synchronization: the local work's floor), 3 = a block
 // barrier after the cell update (no polling while a block publishes). Not built otherwise.
+// A runtime mode changes the code around it (the gather's tag check compiled to a branch per
+// pair of words instead of one predicate per item: benchmarks/NOTES.md session 26), so a build
+// with SPRNN_PROBE_FIXED_MODE=m has the mode as a constant, as the package has 0.
 #if defined(SPRNN_STEP_PROBE)
 __device__ unsigned long long* g_probe_trace;
 __device__ int g_probe_mode;
 // Read once per kernel (a global load in every phase would itself miss the L1).
 #define SPRNN_PROBE_INIT                                  \
   unsigned long long* const probe_trace = g_probe_trace; \
-  const int probe_mode = g_probe_mode
+  const int probe_mode = g_probe_mode;                    \
+  (void)probe_mode
 #define SPRNN_PROBE_STAMP(s, k)                                                                  \
   do {                                                                                           \
     if (threadIdx.x == 0 && probe_trace != nullptr) {                                            \
@@ -501,7 +505,11 @@ __device__ int g_probe_mode;
       q[4 + (k)] = global_ns();                                                                  \
     }                                                                                            \
   } while (0)
+#if defined(SPRNN_PROBE_FIXED_MODE)
+#define SPRNN_PROBE_MODE (SPRNN_PROBE_FIXED_MODE)
+#else
 #define SPRNN_PROBE_MODE probe_mode
+#endif
 #else
 #define SPRNN_PROBE_INIT static_assert(true, "")
 #define SPRNN_PROBE_STAMP(s, k) \
