@@ -42,8 +42,12 @@ PROBE_NVCC=(nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc)
 
 if [ "$MODE" = probe ]; then
   # PROBE_BUILDS: space-separated name=flags (flags joined by commas), one probe binary each.
-  # The builds run side by side (one nvcc each), then the probes one at a time.
-  for build in ${PROBE_BUILDS:-base=}; do
+  # The builds run side by side (one nvcc each), then the probes one at a time. The default
+  # build has probe mode 0 as a constant: the package's code but for the stamps (0.05-0.09
+  # us/step above the package's kernel; a runtime mode changed the gather's code and added
+  # 0.12-0.39, NOTES.md session 26). Configs of modes 1-3 need a build without it ("rt=").
+  PROBE_BUILDS="${PROBE_BUILDS:-base=-DSPRNN_PROBE_FIXED_MODE=0}"
+  for build in $PROBE_BUILDS; do
     name="${build%%=*}"; flags="${build#*=}"
     "${PROBE_NVCC[@]}" -DSPRNN_STEP_PROBE ${flags//,/ } benchmarks/step_probe.cu \
       -o "/tmp/step_probe_$name" > "/tmp/step_probe_$name.log" 2>&1 &
@@ -51,7 +55,7 @@ if [ "$MODE" = probe ]; then
   wait
   # PROBE_ROUNDS: how many times the builds run in turn (interleaved A/B against clock drift).
   for round in $(seq "${PROBE_ROUNDS:-1}"); do
-    for build in ${PROBE_BUILDS:-base=}; do
+    for build in $PROBE_BUILDS; do
       name="${build%%=*}"; flags="${build#*=}"
       echo "== build $name: ${flags//,/ } (round $round)" | tee -a "$OUT/probe.txt"
       [ -x "/tmp/step_probe_$name" ] || { cat "/tmp/step_probe_$name.log"; exit 1; }
@@ -73,8 +77,9 @@ if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu
   exit 0
 fi
 if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
-  # PROBE_FLAGS: extra nvcc flags for the profiled build (comma-separated, as in PROBE_BUILDS).
-  flags="${PROBE_FLAGS:-}"
+  # PROBE_FLAGS: extra nvcc flags for the profiled build (comma-separated, as in PROBE_BUILDS;
+  # default: probe mode 0 as a constant, as the probe mode's default build).
+  flags="${PROBE_FLAGS:--DSPRNN_PROBE_FIXED_MODE=0}"
   "${PROBE_NVCC[@]}" -lineinfo -DSPRNN_STEP_PROBE ${flags//,/ } benchmarks/step_probe.cu \
     -o /tmp/step_probe_prof || exit 1
   i=0

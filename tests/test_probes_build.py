@@ -25,21 +25,24 @@ def gpu_check_nvcc():
     return shlex.split(m.group(1))
 
 
-# probe -> the extra nvcc flags of its gpu_check.sh mode
+# build -> (probe source, the extra nvcc flags of its gpu_check.sh mode); the step probe's
+# default build has the probe mode as a constant, its other build reads it at run time.
 PROBES = {
-    "step_probe": ["-DSPRNN_STEP_PROBE"],
-    "exchange_probe": [],
-    "cluster_reg_probe": [],
+    "step_probe": ("step_probe", ["-DSPRNN_STEP_PROBE", "-DSPRNN_PROBE_FIXED_MODE=0"]),
+    "step_probe_runtime_mode": ("step_probe", ["-DSPRNN_STEP_PROBE"]),
+    "exchange_probe": ("exchange_probe", []),
+    "cluster_reg_probe": ("cluster_reg_probe", []),
 }
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("probe", sorted(PROBES))
-def test_probe_builds(probe, tmp_path):
-    exe = tmp_path / probe
+@pytest.mark.parametrize("build", sorted(PROBES))
+def test_probe_builds(build, tmp_path):
+    exe = tmp_path / build
     nvcc, *flags = gpu_check_nvcc()
     assert nvcc == "nvcc"
-    cmd = [NVCC, *flags, *PROBES[probe], os.path.join("benchmarks", probe + ".cu"), "-o", str(exe)]
+    source, extra = PROBES[build]
+    cmd = [NVCC, *flags, *extra, os.path.join("benchmarks", source + ".cu"), "-o", str(exe)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert exe.stat().st_size > 0
