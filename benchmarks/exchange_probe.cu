@@ -128,7 +128,7 @@ __device__ __forceinline__ bool no_sentinel(const uint4& w) {
 // the still-pending items. D = 1 is the kernel's gather (a stale item costs a whole L2 round
 // trip); D = 2 or 3 were meant to cut that wait to about a round trip / D, at D times the poll
 // traffic. Measured (NOTES.md, session 7): they do not; the extra polls slow every block.
-// Each item whose 4 words carry the tag goes to accept(item index, its 16 bytes) once. Counts
+// Each item that fresh(its 16 bytes) accepts goes to accept(item index, its 16 bytes) once. Counts
 // consumed rounds in `rounds`. false on a timeout.
 template <int D, int N, class Fresh, class Accept>
 __device__ __forceinline__ bool poll_items(const uint4* slot, int ib, int nthr, int nitems, Fresh&& fresh,
@@ -169,7 +169,8 @@ __device__ __forceinline__ bool poll_items(const uint4* slot, int ib, int nthr, 
   return false;
 }
 
-// All-to-all steps with a payload of wpb 32-bit words per block (wpb % 4 == 0), two slots.
+// All-to-all steps with a payload of wpb 32-bit words per block (wpb % 4 == 0), two slots
+// (four for sentinel words).
 // Tagged (flagged == 0): every word carries the step's tag in its high half (the kernel's 16-bit
 // Lamport words); each reader polls all nb * wpb words with 16-byte loads, up to 8 per thread
 // and round, `depth` rounds in flight (poll_items). Flagged: raw words, then one release flag
@@ -561,6 +562,10 @@ int bulk_all_to_all(int nb, int threads, int steps, int wpb, int unpack, int gro
   return 0;
 }
 
+// The all-to-all's word kinds, by the `flagged` argument.
+constexpr const char* kWordKinds[] = {"tagged", "flagged", "sentinel+fence.acq_rel",
+                                      "sentinel, no fence", "sentinel+fence.sc"};
+
 int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   CHECK(cudaGetDevice(&dev));
@@ -650,7 +655,7 @@ int main(int argc, char** argv) {
     const int batches = (items + pollers * per - 1) / (pollers * per);
     std::printf("all-to-all %s: %d blocks x %d threads, %d words (%d bytes read) per block per step, "
                 "%d steps, poll depth %d gap %lld cycles: %.3f us/step, %.2f poll rounds per "
-                "thread batch\n", flagged == 2 ? "sentinel+fence.acq_rel" : flagged == 3 ? "sentinel, no fence" : flagged == 4 ? "sentinel+fence.sc" : flagged ? "flagged" : "tagged", nb, threads, wpb, nb * wpb * 4,
+                "thread batch\n", kWordKinds[flagged], nb, threads, wpb, nb * wpb * 4,
                 steps, depth, gap, res.us_per_step,
                 flagged == 1 ? 0.0 : static_cast<double>(res.rounds) / (static_cast<double>(nb) * pollers * batches * steps));
   }
