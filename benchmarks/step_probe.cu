@@ -11,7 +11,8 @@
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
 // Each argument:
 //   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep[:regw[:fw]]]]]]]]],
-// B = 4 (one tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
+// cell: rnn (ReLU, its own build: sign-tagged words), rnn-tagged (ReLU in the tanh/relu build,
+// tagged words) or lstm. B = 4 (one tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
 // with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
 // exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
 // (default) packs each row in the package's bank-aware order, 2 in the round-robin deal the
@@ -381,10 +382,12 @@ int main(int argc, char** argv) {
     const Config c = parse(argv[i]);
     if (c.cell == "lstm") {
       run<Cell::kLstm>(c, ghz, sms, smem_optin);
-    } else if (c.cell == "rnn") {
+    } else if (c.cell == "rnn") {  // ReLU's own build (sign-tagged exchange words), as the package
+      run<Cell::kRnnRelu>(c, ghz, sms, smem_optin);
+    } else if (c.cell == "rnn-tagged") {  // ReLU in the rnn build (tagged words), for A/B
       run<Cell::kRnnTanh>(c, ghz, sms, smem_optin);
     } else {  // (no GRU here: its update needs b_hn)
-      std::fprintf(stderr, "cell %s: the probe runs rnn (relu) and lstm only\n", c.cell.c_str());
+      std::fprintf(stderr, "cell %s: the probe runs rnn, rnn-tagged (relu) and lstm only\n", c.cell.c_str());
       return 2;
     }
   }

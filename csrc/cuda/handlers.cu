@@ -482,17 +482,19 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
   return e;
 }
 
-KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl) {
+// relu: an rnn layer with ReLU, whose wide builds exchange sign-tagged words (kernel_core.cuh
+// XWord).
+KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl, bool relu) {
   switch (cell) {
     case Cell::kLstm:
       return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words);
+                                 pl.float_words, false);
     case Cell::kGru:
       return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words);
+                                 pl.float_words, false);
     default:
       return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words);
+                                 pl.float_words, relu);
   }
 }
 
@@ -723,7 +725,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     }
   }
   if (!launched && pl.persistent && pl.cluster == 0) {
-    KernelFn fn = pick_persistent(cell, dtype, pl);
+    KernelFn fn = pick_persistent(cell, dtype, pl, p.activation != 0);
     int occ = 0;
     cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
     if (e == cudaSuccess) e = blocks_per_sm(dev, fn, pl.threads, pl.smem, occ);

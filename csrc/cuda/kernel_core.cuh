@@ -113,19 +113,11 @@ struct Tr;
 template <>
 struct Tr<DType::kF32> {
   using S = float;                    // storage of xp, h, outputs
-  using X = unsigned long long;       // tagged exchange word: tag << 32 | value bits
   using W = uint2;                    // shared-memory nonzero: (value bits, column)
-  static constexpr int kXWordsPer32 = 2;
   __device__ static float to_f(S v) { return v; }
   __device__ static S from_f(float f) { return f; }
   __device__ static float bits_to_f(uint32_t b) { return __uint_as_float(b); }
   __device__ static uint32_t f_to_bits(float f) { return __float_as_uint(f); }
-  __device__ static uint32_t tag_of(int s) { return static_cast<uint32_t>(s) + 1u; }
-  __device__ static X make_x(uint32_t bits, uint32_t tag) {
-    return (static_cast<unsigned long long>(tag) << 32) | bits;
-  }
-  __device__ static bool x_ok(X w, uint32_t tag) { return static_cast<uint32_t>(w >> 32) == tag; }
-  __device__ static uint32_t x_bits(X w) { return static_cast<uint32_t>(w); }
   __device__ static W make_w(float v, int col) {
     return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col));
   }
@@ -138,7 +130,6 @@ struct Tr<DType::kF32> {
 template <DType D>
 struct Tr16 {
   using S = uint16_t;
-  using X = uint32_t;  // tag << 16 | value bits
   using W = uint32_t;  // column << 16 | value bits
   __device__ static float bits_to_f(uint32_t b) {
     if constexpr (D == DType::kBF16) {
@@ -156,10 +147,6 @@ struct Tr16 {
   }
   __device__ static float to_f(S v) { return bits_to_f(v); }
   __device__ static S from_f(float f) { return static_cast<S>(f_to_bits(f)); }
-  __device__ static uint32_t tag_of(int s) { return static_cast<uint32_t>(s % 65535) + 1u; }
-  __device__ static X make_x(uint32_t bits, uint32_t tag) { return (tag << 16) | (bits & 0xffffu); }
-  __device__ static bool x_ok(X w, uint32_t tag) { return (w >> 16) == tag; }
-  __device__ static uint32_t x_bits(X w) { return w & 0xffffu; }
   __device__ static W make_w(float v, int col) {
     return (static_cast<uint32_t>(col) << 16) | f_to_bits(v);
   }
@@ -172,6 +159,58 @@ template <>
 struct Tr<DType::kBF16> : Tr16<DType::kBF16> {};
 template <>
 struct Tr<DType::kF16> : Tr16<DType::kF16> {};
+
+// Exchange words of the Lamport mode: what a block publishes per (unit, b) value (P) and what
+// readers load and check (X, kVals values per word). A word is single-copy atomic, so a reader
+// that sees its step's tag in it sees that step's values.
+// - Tagged (every cell): value | step tag, 16 | 16 bits (32 | 32 for float32, so float32 h is
+//   exchanged exactly). Tags count steps modulo 65535 from 1, so the workspace's zeroes are no
+//   step's.
+// - Sign-tagged (ReLU layers, tiles of 4 bytes of h or more): a valid step only ever reads h
+//   that a ReLU made (>= 0; step 0 reads h0 directly, and a sequence once past its end never
+//   runs again), so each value's sign bit is free and carries a one-bit tag: half the bytes of
+//   tagged words for the same values, no precision given up. One bit is enough: slot s % 2 can
+//   hold only step s - 1 or s - 3 when a reader looks for s - 1 (a writer cannot reach s + 1
+//   before every reader published s, and the reading thread, which reads the same word every
+//   step, already saw s - 3 there: coherence), so the bit alternates between the steps of a
+//   slot, and starts at 1 so that the workspace's zeroes are no step's.
+template <bool kIf, class A, class B>
+struct Pick { using type = A; };
+template <class A, class B>
+struct Pick<false, A, B> { using type = B; };
+template <bool kIf, class A, class B>
+using pick_t = typename Pick<kIf, A, B>::type;  // std::conditional_t (NVRTC has no <type_traits>)
+
+template <Cell kCell, DType D, int BT>
+struct XWord {
+  using S = typename Tr<D>::S;
+  static constexpr bool kSignTag = kCell == Cell::kRnnRelu && sizeof(S) * BT >= 4;
+  static constexpr bool k32 = sizeof(S) == 4;  // float32 values
+  // Tagged: one value and its tag per word. Sign-tagged: the value alone, and two 16-bit ones
+  // per loaded 32-bit word.
+  using P = pick_t<kSignTag, pick_t<k32, uint32_t, uint16_t>, pick_t<k32, unsigned long long, uint32_t>>;
+  using X = pick_t<kSignTag, uint32_t, P>;
+  static constexpr int kVals = static_cast<int>(sizeof(X) / sizeof(P));
+  static constexpr X kTagMask = kSignTag ? (k32 ? X(0x80000000u) : X(0x80008000u))
+                                         : (k32 ? X(~0ull << 32) : X(0xffff0000u));
+  static constexpr uint32_t kValueMask = static_cast<uint32_t>(~kTagMask) & (k32 ? ~0u : 0xffffu);
+  // The tag bits of the word(s) holding step s's values.
+  __device__ static X tag_word(int s) {
+    if constexpr (kSignTag) {
+      return ((s >> 1) + 1) & 1 ? kTagMask : X(0);
+    } else {
+      return static_cast<X>(static_cast<X>(s % 65535) + 1u) << (4 * sizeof(X));
+    }
+  }
+  __device__ static bool ok(X w, X tag) { return (w & kTagMask) == tag; }
+  // The bits of the word's v-th value.
+  __device__ static uint32_t value(X w, int v) {
+    return static_cast<uint32_t>(w >> (16 * v)) & kValueMask;
+  }
+  __device__ static P publish(uint32_t bits, int s) {
+    return static_cast<P>(static_cast<P>(bits & kValueMask) | static_cast<P>(tag_word(s)));
+  }
+};
 
 // A nonzero as persistent_fwd keeps it in shared memory. Default: Tr<D>::W, (value, column),
 // 4 bytes for the 16-bit types. Float words (kFloatWords, wide tiles): the value as float32 bits
@@ -232,11 +271,17 @@ __device__ __forceinline__ void ld_relaxed_v4_if(const uint32_t* p, uint32_t* r,
   SPRNN_LD_RELAXED_IF(5, ".v4.u32", "{%0,%1,%2,%3}, [%4]",
                       : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3]) : "l"(p), "r"(pred));
 }
+__device__ __forceinline__ void ld_relaxed_v2_if(const uint32_t* p, uint32_t* r, uint32_t pred) {
+  SPRNN_LD_RELAXED_IF(3, ".v2.u32", "{%0,%1}, [%2]", : "+r"(r[0]), "+r"(r[1]) : "l"(p), "r"(pred));
+}
 __device__ __forceinline__ void ld_relaxed_v2_if(const unsigned long long* p,
                                                  unsigned long long* r, uint32_t pred) {
   SPRNN_LD_RELAXED_IF(3, ".v2.u64", "{%0,%1}, [%2]", : "+l"(r[0]), "+l"(r[1]) : "l"(p), "r"(pred));
 }
 #undef SPRNN_LD_RELAXED_IF
+__device__ __forceinline__ void st_relaxed(uint16_t* p, uint16_t v) {
+  asm volatile("st.relaxed.gpu.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
 __device__ __forceinline__ void st_relaxed(uint32_t* p, uint32_t v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -249,25 +294,24 @@ __device__ __forceinline__ uint32_t ld_acquire(const unsigned int* p) {
   return v;
 }
 
-// Loads the BT tagged words of one unit (contiguous, aligned to their size) when pred != 0
-// (else w keeps its values). Each element is loaded single-copy atomically (u32 or u64
-// elements of vector loads).
-template <class X, int BT>
+// Loads N exchange words (contiguous, aligned to their size) when pred != 0 (else w keeps its
+// values): 16-byte vector loads, then an 8-byte one for the rest of 32-bit words. Each element
+// is loaded single-copy atomically (u32 or u64 elements of vector loads).
+template <class X, int N>
 __device__ __forceinline__ void load_x(const X* p, X* w, uint32_t pred) {
   constexpr int kVec = sizeof(X) == 4 ? 4 : 2;  // elements per 16-byte vector load
-  if constexpr (BT >= kVec) {
+  constexpr int kFull = N / kVec * kVec;
 #pragma unroll
-    for (int i = 0; i < BT; i += kVec) {
-      if constexpr (sizeof(X) == 4) {
-        ld_relaxed_v4_if(p + i, w + i, pred);
-      } else {
-        ld_relaxed_v2_if(p + i, w + i, pred);
-      }
+  for (int i = 0; i < kFull; i += kVec) {
+    if constexpr (sizeof(X) == 4) {
+      ld_relaxed_v4_if(p + i, w + i, pred);
+    } else {
+      ld_relaxed_v2_if(p + i, w + i, pred);
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < BT; ++i) ld_relaxed_if(p + i, w + i, pred);
   }
+  if constexpr (sizeof(X) == 4 && N - kFull >= 2) ld_relaxed_v2_if(p + kFull, w + kFull, pred);
+#pragma unroll
+  for (int i = sizeof(X) == 4 && N - kFull >= 2 ? kFull + 2 : kFull; i < N; ++i) ld_relaxed_if(p + i, w + i, pred);
 }
 
 // h_s element access. Wide: h_s[u * BT + b] (the BT values of a unit are contiguous, so one
@@ -1006,8 +1050,9 @@ __device__ __forceinline__ float update_pair(const Params& p, const PairStep& ps
       const float bh = T::to_f(static_cast<const S*>(p.b_hn)[u]);
       hnew = gru_step<CellMath<D>>(x, hw, bh, hprev);
     } else {
-      hnew = p.activation ? rnn_step<Cell::kRnnRelu, CellMath<D>>(x[0], hw[0])
-                          : rnn_step<Cell::kRnnTanh, CellMath<D>>(x[0], hw[0]);
+      // kRnnTanh builds take the activation at run time; kRnnRelu is ReLU's own build.
+      hnew = kCell == Cell::kRnnRelu || p.activation ? rnn_step<Cell::kRnnRelu, CellMath<D>>(x[0], hw[0])
+                                                     : rnn_step<Cell::kRnnTanh, CellMath<D>>(x[0], hw[0]);
     }
     hst[si] = hnew;
     ys[ps.o] = T::from_f(hnew);
@@ -1071,19 +1116,22 @@ template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
-  using X = typename T::X;
+  using XW = XWord<kCell, D, BT>;
+  using X = typename XW::X;
   using W = RowWordT<D, kFloatWords>;
   constexpr int G = gates_of(kCell);
   constexpr bool kLstmCell = kCell == Cell::kLstm;
-  // Gathers move h in chunks of at most 32 bytes per thread: kCW tagged words (Lamport) or
-  // kRW raw values (barrier mode, h0); a unit is BT / kCW (BT / kRW) consecutive chunks. Tiles
-  // up to 8 (16-bit) / 4 (float32) are one chunk per unit, as before.
-  constexpr int kCW = static_cast<int>(sizeof(X)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(X));
-  constexpr int kCPU = BT / kCW;
+  // Gathers move h in chunks of at most 32 bytes per thread: kCW exchange words (Lamport: kXU
+  // words per unit, kCV values per chunk) or kRW raw values (barrier mode, h0); a unit is kCPU
+  // (kRPU) consecutive chunks. Tiles up to 8 (16-bit) / 4 (float32) are one chunk per unit.
+  constexpr int kXU = BT / XW::kVals;
+  constexpr int kCW = static_cast<int>(sizeof(X)) * kXU <= 32 ? kXU : 32 / static_cast<int>(sizeof(X));
+  constexpr int kCV = kCW * XW::kVals;
+  constexpr int kCPU = kXU / kCW;
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   // Chunks in flight per thread: up to 128 bytes, or 256 in the deep-gather build.
-  constexpr int K = gather_chunks(static_cast<int>(sizeof(X)), BT, kDeepGather);
+  constexpr int K = gather_chunks(static_cast<int>(sizeof(typename XW::P)), BT, kDeepGather);
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h
@@ -1095,7 +1143,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // per-item check cost more than the loads it saved (step probe: 2.40 vs 2.01 us/step at
   // ReLU H=1152, B=4; again in session 6: 2.25 vs 1.82).
   constexpr bool kFilter = BT >= 16;
-  static_assert(BT % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
+  static_assert(BT % XW::kVals == 0 && kXU % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1263,8 +1311,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
         }
       } else {
-        const uint32_t tag = T::tag_of(s - 1);
-        const X* src = xtag + prev_off;
+        const X tag = XW::tag_word(s - 1);
+        const X* src = xtag + prev_off / XW::kVals;
         const int nitems = H * kCPU;
         unsigned long long start = 0;
         // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
@@ -1292,12 +1340,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               if (i >= left) break;  // items past the end: none in this round
               bool ok = (pending >> i) & 1u;
 #pragma unroll
-              for (int q = 0; q < kCW; ++q) ok = ok && (T::x_ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
+              for (int q = 0; q < kCW; ++q) ok = ok && (XW::ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
               if (ok) {
-                uint32_t bits[kCW];
+                uint32_t bits[kCV];
 #pragma unroll
-                for (int q = 0; q < kCW; ++q) bits[q] = T::x_bits(w[i][q]);
-                store_h<S, BT, kCW, kWide>(h_s, H, ib + i * nthr, bits);
+                for (int q = 0; q < kCV; ++q) bits[q] = XW::value(w[i][q / XW::kVals], q % XW::kVals);
+                store_h<S, BT, kCV, kWide>(h_s, H, ib + i * nthr, bits);
                 pending &= ~(1u << i);
               }
             }
@@ -1336,7 +1384,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
         const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
-          st_relaxed(xtag + xo, T::make_x(T::f_to_bits(hnew), T::tag_of(s)));
+          st_relaxed(static_cast<typename XW::P*>(p.xbuf) + xo, XW::publish(T::f_to_bits(hnew), s));
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {

@@ -85,9 +85,11 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
 }
 
 // Per-cell entry points (one translation unit each: SPRNN_DEFINE_CELL_ENTRY there).
+// relu: an rnn layer with ReLU (its wide builds are kRnnRelu's: sign-tagged exchange words,
+// kernel_core.cuh XWord); the other cells ignore it.
 #define SPRNN_CELL_ENTRY(name)                                                            \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,      \
-                                  bool fw);                                               \
+                                  bool fw, bool relu);                                    \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
                                cudaStream_t s);
@@ -99,8 +101,12 @@ SPRNN_CELL_ENTRY(gru)
 // The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
 #define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,    \
-                                  bool fw) {                                             \
+                                  bool fw, bool relu) {                                  \
     return by_dtype(dtype, [&](auto d) {                                                 \
+      if constexpr (C == Cell::kRnnTanh) {                                               \
+        if (relu && wide)                                                                \
+          return persistent_kernel<Cell::kRnnRelu, decltype(d)::value>(bt, wide, deep, reg, fw); \
+      }                                                                                  \
       return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, fw);          \
     });                                                                                  \
   }                                                                                      \
