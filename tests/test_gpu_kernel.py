@@ -73,11 +73,12 @@ def kernel_forward(cell, xp, carry, w, lengths, b_hn=None, reverse=False, activa
     return outs[0], tuple(outs[1:1 + n_carry]), (outs[-1] if cell == "lstm" else None)
 
 
-def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None, band=None):
+def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None, band=None,
+          scale=None):
     steps, batch, hidden, density, pattern = shape
     rng = np.random.default_rng(zlib.crc32(repr((cell, dtype, shape, variant, n)).encode()))
     p = oracle.random_problem(rng, cell, steps, batch, hidden, density, jnp.dtype(dtype), pattern,
-                              scale=None if band is None else 0.7)
+                              scale=0.7 if band is not None else scale)
     if band is not None:  # output j reads only inputs within `band` of j % H (block-local)
         i = np.arange(hidden)[:, None]
         j = np.arange(p["mask"].shape[1])[None, :] % hidden
@@ -129,6 +130,35 @@ def test_relu_large_and_wide_batch(dtype):
     for n, shape in enumerate([(8, 4, 5760, 0.1, "uniform"), (6, 64, 1152, 0.1, "uniform"),
                                (3, 33, 700, 0.3, "skewed")]):
         check("rnn", dtype, shape, 3, n, activation="relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_sign_tagged_builds(dtype, monkeypatch):
+    # ReLU layers run their own builds (launch.cuh kRnnRelu), whose exchange words carry a
+    # one-bit step tag in each value's sign (kernel_core.cuh XWord): the shape sweep (ragged
+    # lengths with 0 and T, where a sequence that never runs keeps a negative h0, and reverse),
+    # every tile and build that changes the gather or the rows, and long sequences over which
+    # the bit alternates many times, one with a band matrix where blocks wait on one unit each.
+    for n, shape in enumerate(SHAPES):
+        check("rnn", dtype, shape, 3, n, activation="relu")
+    builds = [{"SPRNN_CUDA_BT": bt} for bt in ("1", "2", "8", "16", "64")]
+    builds += [{"SPRNN_CUDA_DEEP_GATHER": "1"}, {"SPRNN_CUDA_W_CAP": "300"},
+               {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_GROUPS": "4"}]
+    if dtype != "float32":
+        builds += [{"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": words}
+                   for words in ("0", "1")]
+    for knobs in builds:
+        with monkeypatch.context() as m:
+            for name, value in knobs.items():
+                m.setenv(name, value)
+            for n, shape in enumerate(SPLIT_SHAPES + [(6, 16, 300, 0.2, "skewed")]):
+                check("rnn", dtype, shape, 3, n + 1, activation="relu")
+    # (Half the sweep's weight scale: at that scale ReLU layers grow over hundreds of steps.)
+    for n, (steps, batch, hidden, density, pattern) in enumerate(
+            [(300, 4, 1152, 0.1, "uniform"), (257, 3, 700, 0.3, "skewed")]):
+        check("rnn", dtype, (steps, batch, hidden, density, pattern), 3, n, activation="relu",
+              scale=0.75 / np.sqrt(density * hidden))
+    check("rnn", dtype, (96, 17, 1152, 1.0, "uniform"), 3, 1, activation="relu", band=1)
 
 
 # Batch tiles of 16 to 64 (the "batch lanes" row mapping, several lanes per nonzero) and
