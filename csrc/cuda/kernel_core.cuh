@@ -21,8 +21,9 @@
 // Exchange (two slots, s % 2):
 //   barrier mode: raw values, then a grid-wide barrier (one counter per batch tile, bounded spin);
 //   Lamport mode: each (unit, b) word carries value + step tag (16-bit value | 16-bit tag for the
-//   16-bit dtypes, 32-bit value | 32-bit tag for float32, so float32 h is exchanged exactly);
-//   readers spin on their words. A block publishes step s only after a block-wide barrier that
+//   16-bit dtypes, 32-bit value | 32-bit tag for float32, so float32 h is exchanged exactly;
+//   ReLU layers put a one-bit tag in each value's sign bit instead: XWord); readers spin on
+//   their words. A block publishes step s only after a block-wide barrier that
 //   follows all of its reads of step s-1 (the two-slot pitfall in DESIGN.md).
 // Every wait is bounded by a %globaltimer deadline; on timeout (or when another block has
 // aborted) the block sets the abort flag in the workspace and exits; the host turns the flag
@@ -699,9 +700,9 @@ constexpr int kGatherWords = 32;
 __host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kGatherWords : kGatherWords; }
 
 // Chunks of h each thread has in flight per gather round (persistent_fwd's K; the planner's
-// deep-gather rule uses it too) for tagged words of x_bytes and tile bt: a chunk is a unit's bt
-// words or 32 bytes of them, a round at most gather_words(deep) words and gather_words / 4
-// chunks.
+// deep-gather rule uses it too) for x_bytes of exchange word per value (XWord::P) and tile bt:
+// a chunk is a unit's bt values or 32 bytes of them, a round at most gather_words(deep) words
+// and gather_words / 4 chunks.
 __host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
   const int chunk_words = (x_bytes * bt <= 32 ? x_bytes * bt : 32) / 4;
   const int flight = gather_words(deep) / chunk_words;
