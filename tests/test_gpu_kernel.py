@@ -163,6 +163,29 @@ def test_relu_sign_tagged_builds(dtype, monkeypatch):
           scale=0.25)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lstm_nan_reaches_every_later_step(dtype):
+    # LSTM layers' bit-tagged words have no room for NaN and publish it as a code that readers
+    # turn back into NaN (kernel_core.cuh XWord): one NaN input must spread over its sequence's
+    # later steps exactly as in the oracle, in every build the plans pick (tile 4 plain and
+    # with register weights, tile 1 with tagged words, tile 16).
+    for n, (steps, batch, hidden, density) in enumerate(
+            [(6, 4, 300, 0.3), (5, 4, 1024, 0.1), (5, 1, 129, 0.5), (4, 16, 300, 0.2)]):
+        rng = np.random.default_rng(100 + n)
+        p = oracle.random_problem(rng, "lstm", steps, batch, hidden, density, jnp.dtype(dtype))
+        xp = np.asarray(p["xp"]).copy()
+        xp[1, batch // 2, 5] = np.nan  # gate i of unit 5 at t = 1
+        w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"])
+        ys, _, _ = kernel_forward("lstm", xp, p["carry"], w, None)
+        ref_ys, _ = oracle.run("lstm", xp, p["carry"], p["kernel"], None, None, False, "tanh")
+        got, want = np.asarray(ys, np.float64), np.asarray(ref_ys, np.float64)
+        assert np.isnan(want[-1, batch // 2]).all(), "the oracle's NaN should have spread"
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)
+        err = oracle.rel_error(got[finite], want[finite])
+        assert err < oracle.RTOL[dtype], f"rel error {err:.3g} of the finite values, {dtype}"
+
+
 # Batch tiles of 16 to 64 (the "batch lanes" row mapping, several lanes per nonzero) and
 # batches over several of them: B=16 -> one tile of 16, 17 -> one of 32 with 15 padding
 # columns, 33 and 64 -> one of 64 where H x 64 values fit in shared memory, else tiles of 32

@@ -164,17 +164,21 @@ struct Tr<DType::kF16> : Tr16<DType::kF16> {};
 // Exchange words of the Lamport mode: what a block publishes per (unit, b) value (P) and what
 // readers load and check (X, kVals values per word). A word is single-copy atomic, so a reader
 // that sees its step's tag in it sees that step's values.
-// - Tagged (every cell): value | step tag, 16 | 16 bits (32 | 32 for float32, so float32 h is
-//   exchanged exactly). Tags count steps modulo 65535 from 1, so the workspace's zeroes are no
-//   step's.
-// - Sign-tagged (ReLU layers, tiles of 4 bytes of h or more): a valid step only ever reads h
-//   that a ReLU made (>= 0; step 0 reads h0 directly, and a sequence once past its end never
-//   runs again), so each value's sign bit is free and carries a one-bit tag: half the bytes of
-//   tagged words for the same values, no precision given up. One bit is enough: slot s % 2 can
-//   hold only step s - 1 or s - 3 when a reader looks for s - 1 (a writer cannot reach s + 1
-//   before every reader published s, and the reading thread, which reads the same word every
-//   step, already saw s - 3 there: coherence), so the bit alternates between the steps of a
-//   slot, and starts at 1 so that the workspace's zeroes are no step's.
+// - Tagged (GRU, and tiles of 2 bytes of h): value | step tag, 16 | 16 bits (32 | 32 for
+//   float32, so float32 h is exchanged exactly). Tags count steps modulo 65535 from 1, so the
+//   workspace's zeroes are no step's.
+// - Bit-tagged (ReLU and LSTM layers, tiles of 4 bytes of h or more): a one-bit step tag in a
+//   bit of each value that the cell leaves free, so half the bytes of tagged words, exact. A
+//   valid step only ever reads h that the cell made (step 0 reads h0 directly, and a sequence
+//   once past its end never runs again; lanes of other sequences are dropped): a ReLU's h is
+//   >= 0 (`a > 0 ? a : 0`), so its sign bit is free; an LSTM's h = o * tanh(c) has |h| <= 1 or
+//   is NaN, so the top bit of its exponent is free but in NaN, which is published as the
+//   otherwise impossible pattern "all bits below the tag set" (|v| just under 2) and read back
+//   as NaN. One bit is enough: slot s % 2 can hold only step s - 1 or s - 3 when a reader
+//   looks for s - 1 (a writer cannot reach s + 1 before every reader published s, and the
+//   reading thread, which reads the same word every step, already saw s - 3 there:
+//   coherence), so the bit alternates between the steps of a slot, and starts at 1 so that
+//   the workspace's zeroes are no step's.
 template <bool kIf, class A, class B>
 struct Pick { using type = A; };
 template <class A, class B>
@@ -185,31 +189,48 @@ using pick_t = typename Pick<kIf, A, B>::type;  // std::conditional_t (NVRTC has
 template <Cell kCell, DType D, int BT>
 struct XWord {
   using S = typename Tr<D>::S;
-  static constexpr bool kSignTag = kCell == Cell::kRnnRelu && sizeof(S) * BT >= 4;
   static constexpr bool k32 = sizeof(S) == 4;  // float32 values
-  // Tagged: one value and its tag per word. Sign-tagged: the value alone, and two 16-bit ones
+  static constexpr bool kNanCode = kCell == Cell::kLstm;  // the tag bit is NaN's (see above)
+  static constexpr bool kBitTag = (kCell == Cell::kRnnRelu || kNanCode) && sizeof(S) * BT >= 4;
+  // Tagged: one value and its tag per word. Bit-tagged: the value alone, and two 16-bit ones
   // per loaded 32-bit word.
-  using P = pick_t<kSignTag, pick_t<k32, uint32_t, uint16_t>, pick_t<k32, unsigned long long, uint32_t>>;
-  using X = pick_t<kSignTag, uint32_t, P>;
+  using P = pick_t<kBitTag, pick_t<k32, uint32_t, uint16_t>, pick_t<k32, unsigned long long, uint32_t>>;
+  using X = pick_t<kBitTag, uint32_t, P>;
   static constexpr int kVals = static_cast<int>(sizeof(X) / sizeof(P));
-  static constexpr X kTagMask = kSignTag ? (k32 ? X(0x80000000u) : X(0x80008000u))
-                                         : (k32 ? X(~0ull << 32) : X(0xffff0000u));
-  static constexpr uint32_t kValueMask = static_cast<uint32_t>(~kTagMask) & (k32 ? ~0u : 0xffffu);
+  // The tag bit of one value (bit-tagged: the sign, or the exponent's top bit for kNanCode),
+  // its copies in a word, and the lowest bit of each value.
+  static constexpr uint32_t kBit = (k32 ? 0x80000000u : 0x8000u) >> (kNanCode ? 1 : 0);
+  static constexpr uint32_t kOnes = k32 ? 1u : 0x00010001u;
+  static constexpr X kTagMask = kBitTag ? X(kBit * kOnes) : (k32 ? X(~0ull << 32) : X(0xffff0000u));
+  static constexpr uint32_t kValueMask = k32 ? ~0u : 0xffffu;
   // The tag bits of the word(s) holding step s's values.
   __device__ static X tag_word(int s) {
-    if constexpr (kSignTag) {
+    if constexpr (kBitTag) {
       return ((s >> 1) + 1) & 1 ? kTagMask : X(0);
     } else {
       return static_cast<X>(static_cast<X>(s % 65535) + 1u) << (4 * sizeof(X));
     }
   }
   __device__ static bool ok(X w, X tag) { return (w & kTagMask) == tag; }
+  // The word without its tags: its values' bits (NaN codes back to NaN: adding one to the bits
+  // below the tag carries into the tag bit only for the code).
+  __device__ static X clean(X w) {
+    const X v = w & ~kTagMask;
+    if constexpr (kBitTag && kNanCode) {
+      return v | (((v & X((kBit - 1) * kOnes)) + X(kOnes)) & kTagMask);
+    } else {
+      return v;
+    }
+  }
   // The bits of the word's v-th value.
   __device__ static uint32_t value(X w, int v) {
-    return static_cast<uint32_t>(w >> (16 * v)) & kValueMask;
+    return static_cast<uint32_t>(clean(w) >> (16 * v)) & kValueMask;
   }
   __device__ static P publish(uint32_t bits, int s) {
-    return static_cast<P>(static_cast<P>(bits & kValueMask) | static_cast<P>(tag_word(s)));
+    if constexpr (kBitTag && kNanCode) {
+      if (bits & kBit) bits |= kBit - 1;  // NaN (nothing else an LSTM makes has the bit)
+    }
+    return static_cast<P>(static_cast<P>(bits & (kBitTag ? ~kBit : kValueMask)) | static_cast<P>(tag_word(s)));
   }
 };
 
