@@ -1015,13 +1015,15 @@ struct FastCellMath {
 };
 // float32: CUDA's accurate expf / tanhf, and a sigmoid without the division's slow-path call
 // (nvcc compiles 1.0f / y to MUFU.RCP plus a branch to a subroutine for denormal or huge y,
-// which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30,
-// so the approximate reciprocal plus one Newton step is within about 1 ulp and never needs it.
+// which serialises the LSTM's three sigmoids). Here y = 1 + exp(-x) >= 1, clamped below 1e30
+// (by a comparison, not fminf, which would turn NaN into 1e30), so the approximate reciprocal
+// plus one Newton step is within about 1 ulp and never needs it.
 struct AccurateCellMath {
   static __device__ __forceinline__ float exp(float x) { return expf(x); }
   static __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
   static __device__ __forceinline__ float sigmoid(float x) {
-    const float y = fminf(1.0f + expf(-x), 1e30f);
+    const float e = 1.0f + expf(-x);
+    const float y = e > 1e30f ? 1e30f : e;
     float r;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
     return fmaf(r, fmaf(-y, r, 1.0f), r);
