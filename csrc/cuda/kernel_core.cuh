@@ -164,17 +164,17 @@ struct Tr<DType::kF16> : Tr16<DType::kF16> {};
 // Exchange words of the Lamport mode: what a block publishes per (unit, b) value (P) and what
 // readers load and check (X, kVals values per word). A word is single-copy atomic, so a reader
 // that sees its step's tag in it sees that step's values.
-// - Tagged (GRU, and tiles of 2 bytes of h): value | step tag, 16 | 16 bits (32 | 32 for
+// - Tagged (GRU, 16-bit LSTM, tiles of 2 bytes of h): value | step tag, 16 | 16 bits (32 | 32 for
 //   float32, so float32 h is exchanged exactly). Tags count steps modulo 65535 from 1, so the
 //   workspace's zeroes are no step's.
-// - Bit-tagged (ReLU and LSTM layers, tiles of 4 bytes of h or more): a one-bit step tag in a
-//   bit of each value that the cell leaves free, so half the bytes of tagged words, exact. A
-//   valid step only ever reads h that the cell made (step 0 reads h0 directly, and a sequence
-//   once past its end never runs again; lanes of other sequences are dropped): a ReLU's h is
-//   >= 0 (`a > 0 ? a : 0`), so its sign bit is free; an LSTM's h = o * tanh(c) has |h| <= 1 or
-//   is NaN, so the top bit of its exponent is free but in NaN, which is published as the
-//   otherwise impossible pattern "all bits below the tag set" (|v| just under 2) and read back
-//   as NaN. One bit is enough: slot s % 2 can hold only step s - 1 or s - 3 when a reader
+// - Bit-tagged (ReLU layers and float32 LSTM layers, tiles of 4 bytes of h or more): a one-bit
+//   step tag in a bit of each value that the cell leaves free, so half the bytes of tagged
+//   words, exact. A valid step only ever reads h that the cell made (step 0 reads h0
+//   directly, and a sequence once past its end never runs again; lanes of other sequences are
+//   dropped): a ReLU's h is >= 0 (`a > 0 ? a : 0`), so its sign bit is free; an LSTM's
+//   h = o * tanh(c) has |h| <= 1 or is NaN, so the top bit of its exponent is free but in NaN,
+//   which is published as the otherwise impossible pattern "all bits below the tag set" (|v|
+//   just under 2) and read back as NaN. One bit is enough: slot s % 2 can hold only step s - 1 or s - 3 when a reader
 //   looks for s - 1 (a writer cannot reach s + 1 before every reader published s, and the
 //   reading thread, which reads the same word every step, already saw s - 3 there:
 //   coherence), so the bit alternates between the steps of a slot, and starts at 1 so that
@@ -190,7 +190,10 @@ template <Cell kCell, DType D, int BT>
 struct XWord {
   using S = typename Tr<D>::S;
   static constexpr bool k32 = sizeof(S) == 4;  // float32 values
-  static constexpr bool kNanCode = kCell == Cell::kLstm;  // the tag bit is NaN's (see above)
+  // LSTM: float32 only. Its 16-bit layers ran no faster with them (LSTM H=1024 1.93 -> 1.94
+  // us/step, H=4096 8.75 -> 9.01: the NaN code lengthens the publish), float32 2.53 -> 2.34
+  // (benchmarks/NOTES.md, session 27).
+  static constexpr bool kNanCode = kCell == Cell::kLstm && sizeof(S) == 4;  // the tag bit is NaN's
   static constexpr bool kBitTag = (kCell == Cell::kRnnRelu || kNanCode) && sizeof(S) * BT >= 4;
   // Tagged: one value and its tag per word. Bit-tagged: the value alone, and two 16-bit ones
   // per loaded 32-bit word.
