@@ -115,6 +115,23 @@ def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None, b
         assert np.all(np.asarray(cs, np.float32)[pad] == 0)
 
 
+def reg_weight_builds(dtype):
+    """The register-weights builds' knobs, with 4-byte and float words (16-bit types only)."""
+    if dtype == "float32":
+        return []
+    return [{"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": words} for words in "01"]
+
+
+def check_builds(monkeypatch, builds, cell, dtype, shapes, n0=0, **kw):
+    """check() (variant 3) on every shape under each build's environment knobs."""
+    for knobs in builds:
+        with monkeypatch.context() as m:
+            for name, value in knobs.items():
+                m.setenv(name, value)
+            for n, shape in enumerate(shapes):
+                check(cell, dtype, shape, 3, n0 + n, **kw)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
@@ -144,15 +161,8 @@ def test_relu_sign_tagged_builds(dtype, monkeypatch):
     builds = [{"SPRNN_CUDA_BT": bt} for bt in ("1", "2", "8", "16", "64")]
     builds += [{"SPRNN_CUDA_DEEP_GATHER": "1"}, {"SPRNN_CUDA_W_CAP": "300"},
                {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_GROUPS": "4"}]
-    if dtype != "float32":
-        builds += [{"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": words}
-                   for words in ("0", "1")]
-    for knobs in builds:
-        with monkeypatch.context() as m:
-            for name, value in knobs.items():
-                m.setenv(name, value)
-            for n, shape in enumerate(SPLIT_SHAPES + [(6, 16, 300, 0.2, "skewed")]):
-                check("rnn", dtype, shape, 3, n + 1, activation="relu")
+    check_builds(monkeypatch, builds + reg_weight_builds(dtype), "rnn", dtype,
+                 SPLIT_SHAPES + [(6, 16, 300, 0.2, "skewed")], n0=1, activation="relu")
     # (Smaller weight scales than the sweep's: with those ReLU layers grow over hundreds of
     # steps, to infinity in float16.)
     for n, (steps, batch, hidden, density, pattern) in enumerate(
@@ -361,15 +371,7 @@ def test_rows_from_l2(cell, dtype, monkeypatch):
     monkeypatch.setenv("SPRNN_CUDA_W_CAP", "300")
     builds = [{}, {"SPRNN_CUDA_DEEP_GATHER": "1"}, {"SPRNN_CUDA_ROW_LANES": "16"},
               {"SPRNN_CUDA_BT": "1"}, {"SPRNN_CUDA_BT": "16"}]
-    if dtype != "float32":
-        builds += [{"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": words}
-                   for words in ("0", "1")]
-    for knobs in builds:
-        with monkeypatch.context() as m:
-            for name, value in knobs.items():
-                m.setenv(name, value)
-            for n, shape in enumerate(SPLIT_SHAPES):
-                check(cell, dtype, shape, 3, n)
+    check_builds(monkeypatch, builds + reg_weight_builds(dtype), cell, dtype, SPLIT_SHAPES)
 
 
 @pytest.mark.parametrize("cell", CELLS)
