@@ -97,8 +97,9 @@ struct Plan {
 int s_bytes_of(int dtype) { return dtype == 0 ? 4 : 2; }
 // Bytes of a nonzero in shared memory (kernel_core.cuh RowWord).
 int w_bytes_of(int dtype, bool float_words = false) { return dtype == 0 || float_words ? 8 : 4; }
-// Bytes of a tagged exchange word per value (kernel_core.cuh XWord; ReLU layers' sign-tagged
-// words take half, and the workspace and the deep-gather rule use this upper bound for them).
+// Bytes of a tagged exchange word per value (kernel_core.cuh XWord; the bit-tagged words of ReLU
+// and float32 LSTM layers take half, and the workspace and the deep-gather rule use this upper
+// bound for them).
 int x_bytes_of(int dtype) { return dtype == 0 ? 8 : 4; }
 long long round_up(long long x, long long m) { return (x + m - 1) / m * m; }
 

@@ -22,8 +22,8 @@
 //   barrier mode: raw values, then a grid-wide barrier (one counter per batch tile, bounded spin);
 //   Lamport mode: each (unit, b) word carries value + step tag (16-bit value | 16-bit tag for the
 //   16-bit dtypes, 32-bit value | 32-bit tag for float32, so float32 h is exchanged exactly;
-//   ReLU layers put a one-bit tag in each value's sign bit instead: XWord); readers spin on
-//   their words. A block publishes step s only after a block-wide barrier that
+//   ReLU and float32 LSTM layers put a one-bit tag in a bit of each value that the cell leaves
+//   free instead: XWord); readers spin on their words. A block publishes step s only after a block-wide barrier that
 //   follows all of its reads of step s-1 (the two-slot pitfall in DESIGN.md).
 // Every wait is bounded by a %globaltimer deadline; on timeout (or when another block has
 // aborted) the block sets the abort flag in the workspace and exits; the host turns the flag
@@ -164,9 +164,9 @@ struct Tr<DType::kF16> : Tr16<DType::kF16> {};
 // Exchange words of the Lamport mode: what a block publishes per (unit, b) value (P) and what
 // readers load and check (X, kVals values per word). A word is single-copy atomic, so a reader
 // that sees its step's tag in it sees that step's values.
-// - Tagged (GRU, 16-bit LSTM, tiles of 2 bytes of h): value | step tag, 16 | 16 bits (32 | 32 for
-//   float32, so float32 h is exchanged exactly). Tags count steps modulo 65535 from 1, so the
-//   workspace's zeroes are no step's.
+// - Tagged (tanh rnn, GRU and 16-bit LSTM layers, and tiles of 2 bytes of h): value | step tag,
+//   16 | 16 bits (32 | 32 for float32, so float32 h is exchanged exactly). Tags count steps
+//   modulo 65535 from 1, so the workspace's zeroes are no step's.
 // - Bit-tagged (ReLU layers and float32 LSTM layers, tiles of 4 bytes of h or more): a one-bit
 //   step tag in a bit of each value that the cell leaves free, so half the bytes of tagged
 //   words, exact. A valid step only ever reads h that the cell made (step 0 reads h0
@@ -174,11 +174,11 @@ struct Tr<DType::kF16> : Tr16<DType::kF16> {};
 //   dropped): a ReLU's h is >= 0 (`a > 0 ? a : 0`), so its sign bit is free; an LSTM's
 //   h = o * tanh(c) has |h| <= 1 or is NaN, so the top bit of its exponent is free but in NaN,
 //   which is published as the otherwise impossible pattern "all bits below the tag set" (|v|
-//   just under 2) and read back as NaN. One bit is enough: slot s % 2 can hold only step s - 1 or s - 3 when a reader
-//   looks for s - 1 (a writer cannot reach s + 1 before every reader published s, and the
-//   reading thread, which reads the same word every step, already saw s - 3 there:
-//   coherence), so the bit alternates between the steps of a slot, and starts at 1 so that
-//   the workspace's zeroes are no step's.
+//   just under 2) and read back as NaN. One bit is enough: slot s % 2 can hold only step s - 1
+//   or s - 3 when a reader looks for s - 1 (a writer cannot reach s + 1 before every reader
+//   published s, and the reading thread, which reads the same word every step, already saw
+//   s - 3 there: coherence), so the bit alternates between the steps of a slot, and starts at
+//   1 so that the workspace's zeroes are no step's.
 template <bool kIf, class A, class B>
 struct Pick { using type = A; };
 template <class A, class B>
