@@ -12,9 +12,10 @@
 // Each argument:
 //   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep[:regw[:fw]]]]]]]]],
 // cell: rnn (ReLU, its own build: sign-tagged words), rnn-tagged (ReLU in the tanh/relu build,
-// tagged words) or lstm. B = 4 (one tile), T = 256, fp16, filter = Params::col_filter (default 0; only tiles of 16+ are built
-// with it), row_lanes = Params::row_lanes (0 = the kernel's choice), xbuf_kb = where the
-// exchange buffer starts past its allocation (does its L2 placement matter?), bank = 1
+// tagged words) or lstm. B = 4 (one tile), T = 256, fp16, filter = Params::col_filter
+// (default 0; only tiles of 16+ are built with it), row_lanes = Params::row_lanes (0 = the
+// kernel's choice), xbuf_kb = where the exchange buffer starts past its allocation (does its
+// L2 placement matter?), bank = 1
 // (default) packs each row in the package's bank-aware order, 2 in the round-robin deal the
 // package used before session 7, 0 in column order (the probe's order before session 7);
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)

@@ -320,14 +320,14 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * chunks;
   }
   // The register-weights build (kernel_core.cuh kRegWeights; 16-bit, not beside the deep build,
-  // whose gather uses those registers) where a lane's share of a row is more than 3.5
-  // nonzeros: the rows per block and lanes per row as the kernel maps them (two rows per warp
-  // when that makes one pass). Step probe, us/step: LSTM H=1024 (6.4 per lane) 2.21 -> 2.09,
-  // ReLU H=2304 30% (43) 3.35 -> 3.21, LSTM H=4096 (12.8) 9.18 -> 9.13 (benchmarks/NOTES.md,
-  // session 13); with float words and sign-tagged ReLU words (session 27), ReLU H=2304 5% (3.6)
-  // 2.00 -> 1.80 and ReLU H=1152 (3.6) 1.555 -> 1.530, while ReLU H=1024 (3.2) ties and ReLU
-  // H=768 (2.4), ReLU H=1152 5% (1.8) and LSTM H=512 (1.6) lose 1.5-4.5%.
-  // SPRNN_CUDA_REG_WEIGHTS=0/1 forces it off/on.
+  // whose gather uses those registers) where a lane's share of a row is more than
+  // kRegLaneShare nonzeros: the rows per block and lanes per row as the kernel maps them (two
+  // rows per warp when that makes one pass). Step probe, us/step: LSTM H=1024 (6.4 per lane)
+  // 2.21 -> 2.09, ReLU H=2304 30% (43) 3.35 -> 3.21, LSTM H=4096 (12.8) 9.18 -> 9.13
+  // (benchmarks/NOTES.md, session 13); with float words and sign-tagged ReLU words (session
+  // 27), ReLU H=2304 5% (3.6) 2.00 -> 1.80 and ReLU H=1152 (3.6) 1.555 -> 1.530, while ReLU
+  // H=1024 (3.2) ties and ReLU H=768 (2.4), ReLU H=1152 5% (1.8) and LSTM H=512 (1.6) lose
+  // 1.5-4.5%. SPRNN_CUDA_REG_WEIGHTS=0/1 forces it off/on.
   if (best.persistent && best.wide && best.lamport && best.bt == 4 && dtype != 0 &&
       !best.deep_gather) {
     const long long knob = env_int("SPRNN_CUDA_REG_WEIGHTS", -1);
@@ -335,7 +335,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
         two_rows_per_warp(static_cast<int>(rows), best.threads / 32, row_lanes_knob());
     const double per_lane =
         static_cast<double>(nnz) / std::max<long long>(1, gates * H) / (half ? 16 : 32);
-    best.reg_weights = knob >= 0 ? knob != 0 : per_lane > 3.5;
+    constexpr double kRegLaneShare = 3.5;
+    best.reg_weights = knob >= 0 ? knob != 0 : per_lane > kRegLaneShare;
   }
   // Float words (kernel_core.cuh RowWord: 8 bytes per nonzero, no unpacking in the rows):
   // always for float32, and for 16-bit layers with the register build where the whole layer

@@ -23,8 +23,9 @@
 //   Lamport mode: each (unit, b) word carries value + step tag (16-bit value | 16-bit tag for the
 //   16-bit dtypes, 32-bit value | 32-bit tag for float32, so float32 h is exchanged exactly;
 //   ReLU and float32 LSTM layers put a one-bit tag in a bit of each value that the cell leaves
-//   free instead: XWord); readers spin on their words. A block publishes step s only after a block-wide barrier that
-//   follows all of its reads of step s-1 (the two-slot pitfall in DESIGN.md).
+//   free instead: XWord); readers spin on their words. A block publishes step s only after a
+//   block-wide barrier that follows all of its reads of step s-1 (the two-slot pitfall in
+//   DESIGN.md).
 // Every wait is bounded by a %globaltimer deadline; on timeout (or when another block has
 // aborted) the block sets the abort flag in the workspace and exits; the host turns the flag
 // into an error.
@@ -326,6 +327,7 @@ template <class X, int N>
 __device__ __forceinline__ void load_x(const X* p, X* w, uint32_t pred) {
   constexpr int kVec = sizeof(X) == 4 ? 4 : 2;  // elements per 16-byte vector load
   constexpr int kFull = N / kVec * kVec;
+  constexpr int kPair = sizeof(X) == 4 && N - kFull >= 2 ? 2 : 0;  // 32-bit words for an 8-byte load
 #pragma unroll
   for (int i = 0; i < kFull; i += kVec) {
     if constexpr (sizeof(X) == 4) {
@@ -334,9 +336,9 @@ __device__ __forceinline__ void load_x(const X* p, X* w, uint32_t pred) {
       ld_relaxed_v2_if(p + i, w + i, pred);
     }
   }
-  if constexpr (sizeof(X) == 4 && N - kFull >= 2) ld_relaxed_v2_if(p + kFull, w + kFull, pred);
+  if constexpr (kPair > 0) ld_relaxed_v2_if(p + kFull, w + kFull, pred);
 #pragma unroll
-  for (int i = sizeof(X) == 4 && N - kFull >= 2 ? kFull + 2 : kFull; i < N; ++i) ld_relaxed_if(p + i, w + i, pred);
+  for (int i = kFull + kPair; i < N; ++i) ld_relaxed_if(p + i, w + i, pred);
 }
 
 // h_s element access. Wide: h_s[u * BT + b] (the BT values of a unit are contiguous, so one
