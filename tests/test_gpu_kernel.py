@@ -175,11 +175,11 @@ def test_relu_sign_tagged_builds(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lstm_nan_reaches_every_later_step(dtype):
-    # LSTM layers' bit-tagged words have no room for NaN and publish it as a code that readers
-    # turn back into NaN (kernel_core.cuh XWord): one NaN input must reach exactly the units
-    # that read it through a nonzero, step after step (the dense oracle's matmul would spread
-    # it through the zeros too), in the builds the plans pick (tile 4 plain, tile 1 with
-    # tagged words, tile 16); the finite values match the oracle's.
+    # Float32 LSTM layers' bit-tagged words have no room for NaN and publish it as a code that
+    # readers turn back into NaN (kernel_core.cuh XWord; 16-bit LSTM layers exchange tagged
+    # words): one NaN input must reach exactly the units that read it through a nonzero, step
+    # after step (the dense oracle's matmul would spread it through the zeros too), in the
+    # builds the plans pick (tile 4, tile 1, tile 16); the finite values match the oracle's.
     for n, (steps, batch, hidden, density) in enumerate(
             [(6, 4, 300, 0.3), (5, 4, 1024, 0.02), (5, 1, 129, 0.05), (4, 16, 300, 0.01)]):
         rng = np.random.default_rng(100 + n)
@@ -196,7 +196,8 @@ def test_lstm_nan_reaches_every_later_step(dtype):
         want = np.zeros_like(got)
         nan_units = np.zeros(hidden, bool)
         for t in range(1, steps):
-            nan_units = nan_units | (reads[nan_units].any(axis=0) if t > 1 else False)
+            if t > 1:
+                nan_units = nan_units | reads[nan_units].any(axis=0)
             nan_units[5] = True
             want[t, b] = nan_units
         assert want[-1, b].sum() > 1, "the NaN should have spread"
