@@ -220,7 +220,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.cs = zeros(out_bytes);
   p.hT = zeros(kB * H * sizeof(S));
   p.cT = zeros(kB * H * sizeof(S));
-  const size_t ws_bytes = 256 + 256 + 1024ull * c.xbuf_kb + 2ull * H * kBT * 4;
+  const size_t ws_bytes = 256 + 256 + 1024ull * c.xbuf_kb + 2ull * exchange_units(H) * kBT * 4;
   unsigned char* ws = static_cast<unsigned char*>(zeros(ws_bytes));
   p.abort_flag = reinterpret_cast<int*>(ws);
   p.counters = reinterpret_cast<unsigned int*>(ws + 256);

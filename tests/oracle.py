@@ -49,6 +49,22 @@ def run(cell, xp, carry, kernel, lengths=None, b_hn=None, reverse=False, activat
     return ys, tuple(final)
 
 
+def nan_reach(mask, cell, steps, unit, t0):
+    """(steps, H) bool: where a NaN put into input column `unit` (< H) of one sequence at step
+    t0 must show in that sequence's ys of a sparse layer: the unit at t0 (and after, where a state
+    keeps it: lstm's c, gru's h), then every unit with a nonzero in a column that was NaN the
+    step before. (A dense matmul, as in `run`, spreads it through the zeros too: NaN * 0.)"""
+    hidden = mask.shape[0]
+    reads = mask.reshape(hidden, GATES[cell], hidden).any(axis=1)  # reads[i, u]: u reads h_i
+    want = np.zeros((steps, hidden), bool)
+    for t in range(t0, steps):
+        if t > t0:
+            want[t] = reads[want[t - 1]].any(axis=0)
+        if t == t0 or cell != "rnn":
+            want[t, unit] = True
+    return want
+
+
 def rel_error(out, ref) -> float:
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)

@@ -66,6 +66,34 @@ def test_rnn_activations(activation, reverse):
     check_against_oracle("rnn", p, np.array([9, 0, 4], np.int32), reverse, activation)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell,activation", [("rnn", "tanh"), ("rnn", "relu"), ("lstm", "tanh"),
+                                             ("gru", "tanh")])
+def test_nan_spreads_along_nonzeros(cell, activation, dtype):
+    # One NaN input reaches every unit that reads it through a nonzero, step after step (a ReLU
+    # keeps NaN, as jax.nn.relu), and no other sequence, whose values match the oracle. (The
+    # handlers' padded nonzero groups may spread it further, as the dense matmul of
+    # jax_sprnn.reference does everywhere: only the step it enters is exact.)
+    rng = np.random.default_rng(11)
+    steps, batch, hidden, b = 6, 3, 40, 1
+    p = oracle.random_problem(rng, cell, steps, batch, hidden, 0.1, jnp.dtype(dtype))
+    xp = np.asarray(p["xp"]).copy()
+    xp[1, b, 5] = np.nan
+    w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"])
+    ys, _ = oracle.run_api(cell, xp, p["carry"], w, p["b_hn"], activation=activation)
+    want = np.zeros((steps, batch, hidden), bool)
+    want[:, b] = oracle.nan_reach(p["mask"], cell, steps, 5, 1)
+    assert want[-1, b].sum() > 1, "the NaN should have spread"
+    got = np.isnan(np.asarray(ys, np.float32))
+    np.testing.assert_array_equal(got & want, want)
+    np.testing.assert_array_equal(got[:2], want[:2])
+    assert not got[:, np.arange(batch) != b].any()
+    ref_ys, _ = oracle.run(cell, xp, p["carry"], p["kernel"], None, p["b_hn"], False, activation)
+    others = np.arange(batch) != b
+    assert oracle.rel_error(np.asarray(ys, np.float64)[:, others], ref_ys[:, others]) < \
+        oracle.RTOL[dtype]
+
+
 def test_zero_lengths_return_initial_carry():
     rng = np.random.default_rng(3)
     p = oracle.random_problem(rng, "lstm", 4, 2, 16, 0.5, jnp.dtype("float32"))

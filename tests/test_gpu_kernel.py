@@ -174,38 +174,32 @@ def test_relu_sign_tagged_builds(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lstm_nan_reaches_every_later_step(dtype):
-    # Float32 LSTM layers' bit-tagged words have no room for NaN and publish it as a code that
-    # readers turn back into NaN (kernel_core.cuh XWord; 16-bit LSTM layers exchange tagged
-    # words): one NaN input must reach exactly the units that read it through a nonzero, step
-    # after step (the dense oracle's matmul would spread it through the zeros too), in the
-    # builds the plans pick (tile 4, tile 1, tile 16); the finite values match the oracle's.
+@pytest.mark.parametrize("cell,activation", [("lstm", 0), ("rnn", 1), ("rnn", 0), ("gru", 0)])
+def test_nan_reaches_every_later_step(cell, activation, dtype):
+    # Bit-tagged words (kernel_core.cuh XWord): float32 LSTM layers have no room for NaN and
+    # publish it as a code that readers turn back into NaN; ReLU layers' NaN (a ReLU keeps it,
+    # as jax.nn.relu) has its sign bit cleared for the tag. One NaN input must reach exactly the
+    # units that read it through a nonzero, step after step (oracle.nan_reach; the dense
+    # oracle's matmul would spread it through the zeros too), in the builds the plans pick
+    # (tile 4, tile 1, tile 16), in every cell; the other sequences match the oracle.
+    act = ("tanh", "relu")[activation]
     for n, (steps, batch, hidden, density) in enumerate(
             [(6, 4, 300, 0.3), (5, 4, 1024, 0.02), (5, 1, 129, 0.05), (4, 16, 300, 0.01)]):
         rng = np.random.default_rng(100 + n)
-        p = oracle.random_problem(rng, "lstm", steps, batch, hidden, density, jnp.dtype(dtype))
+        p = oracle.random_problem(rng, cell, steps, batch, hidden, density, jnp.dtype(dtype))
         xp = np.asarray(p["xp"]).copy()
         b = batch // 2
-        xp[1, b, 5] = np.nan  # gate i of unit 5 at t = 1
+        xp[1, b, 5] = np.nan  # the first gate of unit 5 at t = 1
         w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"])
-        ys, _, _ = kernel_forward("lstm", xp, p["carry"], w, None)
-        got = np.isnan(np.asarray(ys, np.float32))
-        # NaN units of sequence b: unit 5 from t = 1 on (its cell state keeps it), then every
-        # unit with a gate row that has a nonzero in a column that was NaN the step before.
-        reads = p["mask"].reshape(hidden, 4, hidden).any(axis=1)  # reads[i, u]: u reads h_i
-        want = np.zeros_like(got)
-        nan_units = np.zeros(hidden, bool)
-        for t in range(1, steps):
-            if t > 1:
-                nan_units = nan_units | reads[nan_units].any(axis=0)
-            nan_units[5] = True
-            want[t, b] = nan_units
+        ys, _, _ = kernel_forward(cell, xp, p["carry"], w, None, p["b_hn"], activation=activation)
+        want = np.zeros((steps, batch, hidden), bool)
+        want[:, b] = oracle.nan_reach(p["mask"], cell, steps, 5, 1)
         assert want[-1, b].sum() > 1, "the NaN should have spread"
-        np.testing.assert_array_equal(got, want, err_msg=f"{dtype} case {n}")
-        ref_ys, _ = oracle.run("lstm", xp, p["carry"], p["kernel"], None, None, False, "tanh")
+        np.testing.assert_array_equal(np.isnan(np.asarray(ys, np.float32)), want,
+                                      err_msg=f"{cell} {act} {dtype} case {n}")
+        ref_ys, _ = oracle.run(cell, xp, p["carry"], p["kernel"], None, p["b_hn"], False, act)
         others = np.arange(batch) != b
-        err = oracle.rel_error(np.asarray(ys, np.float64)[:, others],
-                               np.asarray(ref_ys, np.float64)[:, others])
+        err = oracle.rel_error(np.asarray(ys, np.float64)[:, others], ref_ys[:, others])
         assert err < oracle.RTOL[dtype], f"rel error {err:.3g} of the other sequences, {dtype}"
 
 

@@ -38,7 +38,7 @@ template <Cell kCell, class M = LibmMath>
 SPRNN_HD float rnn_step(float x, float hw) {
   const float a = x + hw;
   if constexpr (kCell == Cell::kRnnRelu) {
-    return a > 0.0f ? a : 0.0f;
+    return !(a <= 0.0f) ? a : 0.0f;  // NaN stays NaN, as jax.nn.relu (and -0 becomes +0)
   } else {
     return M::tanh(a);
   }

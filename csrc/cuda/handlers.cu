@@ -117,7 +117,7 @@ long long exchange_cols(long long B) {
 long long workspace_bytes(int gates, int dtype, long long H, long long B) {
   (void)gates;
   const long long bpad = exchange_cols(B);
-  const long long xbuf = 2 * bpad * H * x_bytes_of(dtype);
+  const long long xbuf = 2 * bpad * exchange_units(H) * x_bytes_of(dtype);
   const long long step = 3 * std::max<long long>(B, 1) * H * 4;
   return kHeaderBytes + counters_bytes(B) + std::max(xbuf, step);
 }

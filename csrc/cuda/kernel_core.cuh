@@ -67,7 +67,7 @@ struct Params {
   void* hT;               // (B, H)
   void* cT;               // (B, H) lstm
   void* cs;               // (T, B, H) lstm
-  void* xbuf;             // exchange: 2 slots x ntiles x H x BT words
+  void* xbuf;             // exchange: 2 slots x ntiles x exchange_units(H) x BT words
   unsigned int* counters; // barrier mode: one per batch tile
   int* abort_flag;        // 0 = ok; 1 = a wait timed out
   int T, B, H, ntiles;
@@ -172,7 +172,8 @@ struct Tr<DType::kF16> : Tr16<DType::kF16> {};
 //   step tag in a bit of each value that the cell leaves free, so half the bytes of tagged
 //   words, exact. A valid step only ever reads h that the cell made (step 0 reads h0
 //   directly, and a sequence once past its end never runs again; lanes of other sequences are
-//   dropped): a ReLU's h is >= 0 (`a > 0 ? a : 0`), so its sign bit is free; an LSTM's
+//   dropped): a ReLU's h is >= 0 or NaN (common/cells.h), so its sign bit is free (publish
+//   clears it: a NaN stays NaN); an LSTM's
 //   h = o * tanh(c) has |h| <= 1 or is NaN, so the top bit of its exponent is free but in NaN,
 //   which is published as the otherwise impossible pattern "all bits below the tag set" (|v|
 //   just under 2) and read back as NaN. One bit is enough: slot s % 2 can hold only step s - 1
@@ -504,6 +505,26 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
   }
 }
 
+// Units per gather chunk of the wide layout, for units of unit_bytes exchange bytes: where a
+// unit is under 16 bytes (sign-tagged 16-bit tiles of 4, tiles of 1 and 2) a chunk takes
+// 16 / unit_bytes consecutive units, one 16-byte load and store, so that a thread moves as many
+// bytes per chunk as with a tagged tile of 4 (the gather's loads and checks per byte halve or
+// quarter). SPRNN_CHUNK_UNITS=0 builds one unit per chunk (step probe A/B only).
+#ifndef SPRNN_CHUNK_UNITS
+#define SPRNN_CHUNK_UNITS 1
+#endif
+__host__ __device__ constexpr int chunk_units(int unit_bytes) {
+  return SPRNN_CHUNK_UNITS && unit_bytes < 16 ? 16 / unit_bytes : 1;
+}
+
+// The exchange buffer holds exchange_units(H) units per tile and slot, H rounded up to 8, so that
+// every tile starts 16-byte aligned for the chunks' loads. The units past H are only ever read as
+// the rest of the last chunk (persistent_fwd publishes them).
+constexpr int kXUnitAlign = 8;
+__host__ __device__ constexpr long long exchange_units(long long H) {
+  return (H + kXUnitAlign - 1) / kXUnitAlign * kXUnitAlign;
+}
+
 // ---- shared memory carve-up (host computes the same sizes, see handlers.cu) -------------------
 
 __host__ __device__ __forceinline__ long long align16(long long x) { return (x + 15) & ~15LL; }
@@ -523,7 +544,10 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
                                                   int h_slots = 1, int row_words = 0) {
   SmemLayout l;
   l.h_off = 0;
-  l.h_stride = align16(static_cast<long long>(H) * BT * s_bytes);
+  // Slack for the units past H of the gather's last chunk (chunk_units: at most 16 bytes of
+  // chunk beyond the last unit's values). A constant, so the kernels' address code is as before.
+  const int unit_bytes = BT * s_bytes;
+  l.h_stride = align16(static_cast<long long>(H) * unit_bytes + (unit_bytes < 16 ? 16 - unit_bytes : 0));
   l.acc_off = h_slots * l.h_stride;
   l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
@@ -727,10 +751,11 @@ __host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kG
 
 // Chunks of h each thread has in flight per gather round (persistent_fwd's K; the planner's
 // deep-gather rule uses it too) for x_bytes of exchange word per value (XWord::P) and tile bt:
-// a chunk is a unit's bt values or 32 bytes of them, a round at most gather_words(deep) words
-// and gather_words / 4 chunks.
+// a chunk is chunk_units units or 32 bytes of one unit, a round at most gather_words(deep)
+// words and gather_words / 4 chunks.
 __host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
-  const int chunk_words = (x_bytes * bt <= 32 ? x_bytes * bt : 32) / 4;
+  const int unit = x_bytes * bt * chunk_units(x_bytes * bt);
+  const int chunk_words = (unit <= 32 ? unit : 32) / 4;
   const int flight = gather_words(deep) / chunk_words;
   return flight < 1 ? 1 : (flight > gather_words(deep) / 4 ? gather_words(deep) / 4 : flight);
 }
@@ -1153,10 +1178,13 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // Gathers move h in chunks of at most 32 bytes per thread: kCW exchange words (Lamport: kXU
   // words per unit, kCV values per chunk) or kRW raw values (barrier mode, h0); a unit is kCPU
   // (kRPU) consecutive chunks. Tiles up to 8 (16-bit) / 4 (float32) are one chunk per unit.
+  // Units under 16 bytes travel kUPC to a chunk (chunk_units).
   constexpr int kXU = BT / XW::kVals;
-  constexpr int kCW = static_cast<int>(sizeof(X)) * kXU <= 32 ? kXU : 32 / static_cast<int>(sizeof(X));
+  constexpr int kUPC = kWide ? chunk_units(static_cast<int>(sizeof(X)) * kXU) : 1;
+  constexpr int kCW = kUPC > 1 ? kXU * kUPC
+                               : (static_cast<int>(sizeof(X)) * kXU <= 32 ? kXU : 32 / static_cast<int>(sizeof(X)));
   constexpr int kCV = kCW * XW::kVals;
-  constexpr int kCPU = kXU / kCW;
+  constexpr int kCPU = kUPC > 1 ? 1 : kXU / kCW;
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   // Chunks in flight per thread: up to 128 bytes, or 256 in the deep-gather build.
@@ -1172,8 +1200,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // per-item check cost more than the loads it saved (step probe: 2.40 vs 2.01 us/step at
   // ReLU H=1152, B=4; again in session 6: 2.25 vs 1.82).
   constexpr bool kFilter = BT >= 16;
-  static_assert(BT % XW::kVals == 0 && kXU % kCW == 0 && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
+  static_assert(BT % XW::kVals == 0 && (kUPC > 1 || kXU % kCW == 0) && BT % kRW == 0 && BT % kNV == 0 && kLPN <= 32, "tile");
   static_assert(kWide || (kCPU == 1 && kRPU == 1 && kLPN == 1), "naive layout: whole units");
+  static_assert(!kFilter || kUPC == 1, "the column filter skips whole chunks of one unit");
 
   extern __shared__ __align__(16) unsigned char smem[];
   SPRNN_PROBE_INIT;
@@ -1262,13 +1291,16 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       }
     }
   }
+  // Units per tile in the exchange buffer: the chunked gathers need 16-byte aligned tiles; the
+  // other builds keep H (their code, registers and all, as before the chunks).
+  const int Hx = kUPC > 1 ? static_cast<int>(exchange_units(H)) : H;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
   for (int s = 0; s < lmax; ++s) {
     for (int j = j_lo; j < j_hi; ++j) {
-      const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * H) * BT;
-      const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * H) * BT;
+      const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * Hx) * BT;
+      const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * Hx) * BT;
 
       // This thread's first (unit, b) pair: its step, publish offset and input projection
       // (the loads in flight while the block waits for h), ready for the update.
@@ -1342,7 +1374,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       } else {
         const X tag = XW::tag_word(s - 1);
         const X* src = xtag + prev_off / XW::kVals;
-        const int nitems = H * kCPU;
+        const int nitems = kUPC > 1 ? (H + kUPC - 1) / kUPC : H * kCPU;
         unsigned long long start = 0;
         // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
         // are issued before any tag is checked, and only the pending ones are polled again.
@@ -1414,6 +1446,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
           st_relaxed(static_cast<typename XW::P*>(p.xbuf) + xo, XW::publish(T::f_to_bits(hnew), s));
+          if constexpr (kUPC > 1) {  // the last chunk's units past H: zeros of this step
+            if (u0 + ul == H - 1)
+              for (int k = 1; (H - 1 + k) % kUPC != 0; ++k)
+                st_relaxed(static_cast<typename XW::P*>(p.xbuf) + xo + k * BT, XW::publish(0u, s));
+          }
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
