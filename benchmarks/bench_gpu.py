@@ -303,7 +303,8 @@ def knob_table(res, lines, save, key, title, settings, configs, plan_of, T):
               "|---|---|---|" + "---|" * len(settings)]
     for cell, act, H, B, d, dt in configs:
         f, xp, c0 = kernel_call(cell, act, H, B, T, d, dt)
-        info = cuda_lowering.plan(cell, dt, H, B, int(d * GATES[cell] * H * H))
+        info = cuda_lowering.plan(cell, dt, H, B, int(d * GATES[cell] * H * H),
+                                  activation=act or "tanh")
         row = dict(cell=cell, H=H, B=B, density=d, dtype=jnp.dtype(dt).name, sweep=key,
                    plan=plan_of(info))
         for name, knobs in settings.items():
@@ -637,7 +638,7 @@ def main():
                 f, xp, c0 = kernel_call("rnn", "relu", H, 4, T, 0.1, dt)
                 row = dict(cell="rnn", H=H, density=0.1, dtype=jnp.dtype(dt).name, sweep="deep",
                            plan_deep=cuda_lowering.plan(
-                               "rnn", dt, H, 4, int(0.1 * H * H))["deep_gather"])
+                               "rnn", dt, H, 4, int(0.1 * H * H), activation="relu")["deep_gather"])
                 knobs = [{}, {"SPRNN_CUDA_DEEP_GATHER": "0"}, {"SPRNN_CUDA_DEEP_GATHER": "1"}]
                 time_knobs(f, xp, c0, knobs, row, T)
                 print(json.dumps(row), flush=True)

@@ -192,7 +192,7 @@ bool grouped_plan(const Plan& base, int groups, int gates, int dtype, long long 
 
 // The grid-wide plan (variants 0-4: persistent_fwd or the per-step fallback).
 Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-                    const DeviceInfo& dev) {
+                    const DeviceInfo& dev, bool relu) {
   Plan pl;
   pl.variant = variant < 0 ? kLamport : variant;
   if (pl.variant > kStepLoop) pl.variant = kLamport;
@@ -308,16 +308,18 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     best.threads = static_cast<int>(32 * std::clamp<long long>(rows + 3, 8, kPersistentThreads / 32));
   }
   best.threads = std::min(best.threads, kPersistentThreads);
-  // The deep-gather build where a 16-bit layer's gather of the tile-4 h (one chunk per unit)
-  // needs more than one round of the default depth (kernel_core.cuh gather_chunks):
+  // The deep-gather build where a 16-bit layer's gather of the tile-4 h (a chunk is one unit of
+  // tagged words, two of ReLU's sign-tagged ones: kernel_core.cuh chunk_units) needs more
+  // than one round of the default depth (gather_chunks):
   // ReLU H=5760 fp16 5.88 -> 5.56 us/step in the step probe, while the layers that need one
   // round lose 3-14% with it (benchmarks/NOTES.md, session 8). Not for float32: timed through
   // JAX at H=2304..4608 it gained nothing and at H=4608 lost 6-9% (session 9).
   // SPRNN_CUDA_DEEP_GATHER=0/1 forces it off/on (tile 4 of the Lamport variant only).
   if (best.persistent && best.wide && best.lamport && best.bt == 4) {
-    const long long chunks = gather_chunks(x_bytes_of(dtype), 4, false);
+    const int x_bytes = relu ? s_bytes_of(dtype) : x_bytes_of(dtype);
+    const long long units = gather_chunks(x_bytes, 4, false) * chunk_units(4 * x_bytes);
     const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
-    best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * chunks;
+    best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * units;
   }
   // The register-weights build (kernel_core.cuh kRegWeights; 16-bit, not beside the deep build,
   // whose gather uses those registers) where a lane's share of a row is more than
@@ -434,19 +436,21 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
 // Variant 5 asks for the cluster plan and falls back to variant 3's plan with a reason. The
 // default (-1) never picks it: measured on the H200 it is 1.05-4x slower than variant 3
 // (benchmarks/NOTES.md). SPRNN_CUDA_CLUSTER: the largest cluster size to plan for.
+// relu: an rnn layer with ReLU (its exchange words are sign-tagged: the gather moves more units
+// per chunk).
 Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-               const DeviceInfo& dev) {
+               const DeviceInfo& dev, bool relu) {
   if (variant == kCluster) {
     const long long knob = env_int("SPRNN_CUDA_CLUSTER", dev.max_cluster);
     const int csize = static_cast<int>(std::clamp<long long>(knob, 0, dev.max_cluster));
     Plan c = make_cluster_plan(gates, dtype, H, B, nnz, csize, dev);
     if (c.persistent) return c;
-    Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev);
+    Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev, relu);
     g.reason = "variant 5 (clusters) does not apply: " + c.reason + "; running variant 3" +
                (g.reason.empty() ? "" : " (" + g.reason + ")");
     return g;
   }
-  return make_grid_plan(gates, dtype, H, B, nnz, variant, dev);
+  return make_grid_plan(gates, dtype, H, B, nnz, variant, dev, relu);
 }
 
 // Raises a kernel's dynamic shared-memory limit once (per device is not needed: the attribute is
@@ -682,7 +686,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
     return cuda_error(target, "cudaGetDevice", e);
   const DeviceInfo info = device_info(dev);
-  Plan pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info);
+  Plan pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info, activation != 0);
 
   unsigned char* wsp = static_cast<unsigned char*>(ws->untyped_data());
   Params p{};
@@ -727,7 +731,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     if (!launched) {
       DeviceInfo d = info;
       d.max_cluster = attempt < 2 ? std::min(max_ok, pl.cluster - 1) : 0;
-      pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), d);
+      pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), d, activation != 0);
     }
   }
   if (!launched && pl.persistent && pl.cluster == 0) {
@@ -890,7 +894,7 @@ py::capsule encapsulate(T* fn) {
 }
 
 py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-                   int sms, int smem_optin, int cc_major, int max_cluster) {
+                   int sms, int smem_optin, int cc_major, int max_cluster, bool relu) {
   using namespace sprnn::cuda;
   DeviceInfo d;
   if (sms > 0) {
@@ -904,7 +908,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
     if (cudaGetDevice(&dev) != cudaSuccess) cudaGetLastError();
     d = device_info(dev);
   }
-  const Plan pl = make_plan(gates, dtype, H, B, nnz, variant, d);
+  const Plan pl = make_plan(gates, dtype, H, B, nnz, variant, d, relu);
   py::dict r;
   r["persistent"] = pl.persistent;
   r["variant"] = pl.variant;
@@ -948,6 +952,8 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
         py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
         py::arg("smem_optin") = 0, py::arg("cc_major") = 0, py::arg("max_cluster") = 0,
+        py::arg("relu") = false,
         "The kernel's placement plan for a layer (sms/smem_optin/cc_major/max_cluster: a "
-        "hypothetical GPU, max_cluster 0 = 16 when cc_major >= 9; sms 0 = the current device).");
+        "hypothetical GPU, max_cluster 0 = 16 when cc_major >= 9; sms 0 = the current device; "
+        "relu: an rnn layer with ReLU).");
 }

@@ -510,6 +510,9 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
 // 16 / unit_bytes consecutive units, one 16-byte load and store, so that a thread moves as many
 // bytes per chunk as with a tagged tile of 4 (the gather's loads and checks per byte halve or
 // quarter). SPRNN_CHUNK_UNITS=0 builds one unit per chunk (step probe A/B only).
+#ifndef SPRNN_NO_PAD_TEST
+#define SPRNN_NO_PAD_TEST 0
+#endif
 #ifndef SPRNN_CHUNK_UNITS
 #define SPRNN_CHUNK_UNITS 1
 #endif
@@ -544,10 +547,9 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
                                                   int h_slots = 1, int row_words = 0) {
   SmemLayout l;
   l.h_off = 0;
-  // Slack for the units past H of the gather's last chunk (chunk_units: at most 16 bytes of
-  // chunk beyond the last unit's values). A constant, so the kernels' address code is as before.
-  const int unit_bytes = BT * s_bytes;
-  l.h_stride = align16(static_cast<long long>(H) * unit_bytes + (unit_bytes < 16 ? 16 - unit_bytes : 0));
+  // (The gather's last chunk of several units stays inside: its values take at most 16 bytes,
+  // a power of two, so it ends by the 16-byte alignment; chunk_units.)
+  l.h_stride = align16(static_cast<long long>(H) * BT * s_bytes);
   l.acc_off = h_slots * l.h_stride;
   l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
@@ -756,7 +758,11 @@ __host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kG
 __host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
   const int unit = x_bytes * bt * chunk_units(x_bytes * bt);
   const int chunk_words = (unit <= 32 ? unit : 32) / 4;
+#ifdef SPRNN_CHUNK_K_HALF_TEST
+  const int flight = gather_words(deep) / chunk_words / (chunk_units(x_bytes * bt) > 1 ? 2 : 1);
+#else
   const int flight = gather_words(deep) / chunk_words;
+#endif
   return flight < 1 ? 1 : (flight > gather_words(deep) / 4 ? gather_words(deep) / 4 : flight);
 }
 
@@ -1294,6 +1300,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // Units per tile in the exchange buffer: the chunked gathers need 16-byte aligned tiles; the
   // other builds keep H (their code, registers and all, as before the chunks).
   const int Hx = kUPC > 1 ? static_cast<int>(exchange_units(H)) : H;
+  // The block of the last unit publishes the units past H of the gather's last chunk.
+  const int pad_pairs = kUPC > 1 && p.lamport && u0 + nu == H ? ((H + kUPC - 1) / kUPC * kUPC - H) * BT : 0;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
@@ -1446,16 +1454,16 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
           st_relaxed(static_cast<typename XW::P*>(p.xbuf) + xo, XW::publish(T::f_to_bits(hnew), s));
-          if constexpr (kUPC > 1) {  // the last chunk's units past H: zeros of this step
-            if (u0 + ul == H - 1)
-              for (int k = 1; (H - 1 + k) % kUPC != 0; ++k)
-                st_relaxed(static_cast<typename XW::P*>(p.xbuf) + xo + k * BT, XW::publish(0u, s));
-          }
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
           __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
         }
+      }
+      if constexpr (kUPC > 1 && !SPRNN_NO_PAD_TEST) {
+        if (tid < pad_pairs)  // the last chunk's units past H: zeros
+          st_relaxed(static_cast<typename XW::P*>(p.xbuf) + tile_off + static_cast<long long>(H) * BT + tid,
+                     XW::publish(0u, s));
       }
       SPRNN_PROBE_STAMP(s, 3);
       if (!p.lamport) {

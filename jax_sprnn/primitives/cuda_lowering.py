@@ -95,9 +95,11 @@ def available(cell: str) -> bool:
 
 
 def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
-         sms: int = 0, smem_optin: int = 0, cc_major: int = 0, max_cluster: int = 0) -> dict:
+         sms: int = 0, smem_optin: int = 0, cc_major: int = 0, max_cluster: int = 0,
+         activation: str = "tanh") -> dict:
     """The kernel's placement plan for a layer on the current GPU (or a hypothetical one:
     ``sms`` > 0 with ``smem_optin``, ``cc_major`` and ``max_cluster``, 0 = 16 on cc >= 9).
+    ``activation`` ("tanh" or "relu") matters for rnn layers: ReLU layers exchange smaller words.
 
     Keys include ``persistent`` (False: per-step fallback), ``variant``, ``cluster`` (CTAs per
     cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``tiles``, ``groups`` (> 1: the
@@ -110,7 +112,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     """
     return _ffi.cuda_module.plan(CELLS[cell].gates, _DTYPE_CODES[np.dtype(dtype)], int(hidden),
                                  int(batch), int(nnz), int(variant), int(sms), int(smem_optin),
-                                 int(cc_major), int(max_cluster))
+                                 int(cc_major), int(max_cluster),
+                                 cell == "rnn" and activation == "relu")
 
 
 def _warn_once(key, message):
@@ -133,7 +136,8 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     if variant == -1:  # benchmarks select a variant for the public API through the environment
         variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "-1"))
     try:
-        info = _ffi.cuda_module.plan(gates, dtype_code, hidden, batch, nnz, variant, 0, 0, 0, 0)
+        info = _ffi.cuda_module.plan(gates, dtype_code, hidden, batch, nnz, variant, 0, 0, 0, 0,
+                                     cell == "rnn" and activation != 0)
     except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
         info = None
     if info is not None and info["reason"] and variant != VARIANTS["step_loop"]:
