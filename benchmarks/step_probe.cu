@@ -20,8 +20,9 @@
 // package used before session 7, 0 in column order (the probe's order before session 7);
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
 // and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
-// build (kernel_core.cuh gather_words), regw = 1 the register-weights build (kRegWeights),
-// with fw = 1 its float-words build (RowWord).
+// build (kernel_core.cuh gather_words), regw = 1 the register-weights build (kRegWeights; with
+// deep = 1 the deep one, which the package builds for ReLU only), with fw = 1 its float-words
+// build (RowWord).
 // Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
@@ -226,7 +227,8 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.counters = reinterpret_cast<unsigned int*>(ws + 256);
   p.xbuf = ws + 512 + 1024ull * c.xbuf_kb;
 
-  auto fn = c.deep   ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
+  auto fn = c.deep && c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, true, kRegWeights>
+            : c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
             : c.regw && c.fw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights, true>
             : c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights>
                      : &persistent_fwd<kCell, DType::kF16, kBT, true>;

@@ -59,12 +59,14 @@ def test_cluster_plans():
 
 
 def test_deep_gather_plans(monkeypatch):
-    def deep(cell, dtype, H, B=4, d=0.1):
-        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+    def deep(cell, dtype, H, B=4, d=0.1, activation="tanh"):
+        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), activation=activation,
+                                  **H200)
         return info["deep_gather"], info
 
     # 16-bit: 512 threads x 8 chunks cover H units in one round; float32 only when forced.
     assert deep("rnn", jnp.float16, 5760)[0], deep("rnn", jnp.float16, 5760)[1]
+    assert deep("rnn", jnp.float16, 5760, activation="relu")[0]  # two units per chunk, as many bytes
     assert not deep("rnn", jnp.float16, 1152)[0]
     assert not deep("lstm", jnp.float16, 4096)[0]  # exactly one round
     assert not deep("rnn", jnp.float16, 2304, d=0.3)[0]
@@ -78,8 +80,9 @@ def test_deep_gather_plans(monkeypatch):
 
 
 def test_reg_weights_plans(monkeypatch):
-    def reg(cell, dtype, H, B=4, d=0.1):
-        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200)
+    def reg(cell, dtype, H, B=4, d=0.1, activation="tanh"):
+        info = cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), activation=activation,
+                                  **H200)
         return info["reg_weights"], info
 
     # 16-bit tile 4 where a lane's share of a row is more than 3.5 nonzeros (the kernel's rows
@@ -93,6 +96,8 @@ def test_reg_weights_plans(monkeypatch):
     assert not reg("rnn", jnp.float16, 1152, d=0.05)[0]
     assert not reg("lstm", jnp.float32, 1024)[0]  # 16-bit weights only
     assert not reg("rnn", jnp.float16, 5760)[0]  # the deep build holds its gather there
+    got, info = reg("rnn", jnp.float16, 5760, activation="relu")  # but ReLU's has room
+    assert got and info["deep_gather"] and not info["float_words"], info
     assert not reg("lstm", jnp.float16, 1024, B=1)[0]  # tile 1: no register build
     # Two batch groups of tile 4 on 66 blocks each: ReLU H=1152 then has 17-18 rows per block
     # (half warps, 7.2 per lane), LSTM H=1024 62 (whole warps, 3.2 per lane).

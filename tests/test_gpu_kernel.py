@@ -154,12 +154,16 @@ def test_relu_sign_tagged_builds(dtype, monkeypatch):
     # ReLU layers run their own builds (launch.cuh kRnnRelu), whose exchange words carry a
     # one-bit step tag in each value's sign (kernel_core.cuh XWord): the shape sweep (ragged
     # lengths with 0 and T, where a sequence that never runs keeps a negative h0, and reverse),
-    # every tile and build that changes the gather or the rows, and long sequences over which
-    # the bit alternates many times, one with a band matrix where blocks wait on one unit each.
+    # every tile and build that changes the gather (chunks of 2 and 4 units at tiles 4, 2 and 1,
+    # their last one past H at odd H) or the rows (the deep gather with and without register
+    # weights), and long sequences over which the bit alternates many times, one with a band
+    # matrix where blocks wait on one unit each.
     for n, shape in enumerate(SHAPES):
         check("rnn", dtype, shape, 3, n, activation="relu")
     builds = [{"SPRNN_CUDA_BT": bt} for bt in ("1", "2", "8", "16", "64")]
-    builds += [{"SPRNN_CUDA_DEEP_GATHER": "1"}, {"SPRNN_CUDA_W_CAP": "300"},
+    builds += [{"SPRNN_CUDA_DEEP_GATHER": "1", "SPRNN_CUDA_REG_WEIGHTS": "0"},
+               {"SPRNN_CUDA_DEEP_GATHER": "1", "SPRNN_CUDA_REG_WEIGHTS": "1"},
+               {"SPRNN_CUDA_W_CAP": "300"},
                {"SPRNN_CUDA_ROW_LANES": "16"}, {"SPRNN_CUDA_GROUPS": "4"}]
     check_builds(monkeypatch, builds + reg_weight_builds(dtype), "rnn", dtype,
                  SPLIT_SHAPES + [(6, 16, 300, 0.2, "skewed")], n0=1, activation="relu")
@@ -354,7 +358,8 @@ def test_rows_from_l2(cell, dtype, monkeypatch):
     # SPRNN_CUDA_W_CAP caps the room: 0 puts every row in L2 (the shape sweep, and the naive
     # layout); 300 words split blocks between the two paths (the row offsets come first), in
     # the default build and in those that change the row loop: register weights, float words,
-    # the deep gather, half warps, tiles 1 and 16.
+    # the deep gather, half warps, tiles 1, 2 (gather chunks of several units, at odd H the last
+    # one past H) and 16.
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     monkeypatch.setenv("SPRNN_CUDA_W_CAP", "0")
@@ -365,7 +370,7 @@ def test_rows_from_l2(cell, dtype, monkeypatch):
     check(cell, dtype, (5, 4, 300, 0.5, "skewed"), 0, 1, bank_period=0)
     monkeypatch.setenv("SPRNN_CUDA_W_CAP", "300")
     builds = [{}, {"SPRNN_CUDA_DEEP_GATHER": "1"}, {"SPRNN_CUDA_ROW_LANES": "16"},
-              {"SPRNN_CUDA_BT": "1"}, {"SPRNN_CUDA_BT": "16"}]
+              {"SPRNN_CUDA_BT": "1"}, {"SPRNN_CUDA_BT": "2"}, {"SPRNN_CUDA_BT": "16"}]
     check_builds(monkeypatch, builds + reg_weight_builds(dtype), cell, dtype, SPLIT_SHAPES)
 
 

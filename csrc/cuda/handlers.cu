@@ -308,30 +308,30 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     best.threads = static_cast<int>(32 * std::clamp<long long>(rows + 3, 8, kPersistentThreads / 32));
   }
   best.threads = std::min(best.threads, kPersistentThreads);
-  // The deep-gather build where a 16-bit layer's gather of the tile-4 h (a chunk is one unit of
-  // tagged words, two of ReLU's sign-tagged ones: kernel_core.cuh chunk_units) needs more
-  // than one round of the default depth (gather_chunks):
+  // The deep-gather build where a 16-bit layer's gather of the tile-4 h needs more than one
+  // round of the default depth (kernel_core.cuh gather_units):
   // ReLU H=5760 fp16 5.88 -> 5.56 us/step in the step probe, while the layers that need one
   // round lose 3-14% with it (benchmarks/NOTES.md, session 8). Not for float32: timed through
   // JAX at H=2304..4608 it gained nothing and at H=4608 lost 6-9% (session 9).
   // SPRNN_CUDA_DEEP_GATHER=0/1 forces it off/on (tile 4 of the Lamport variant only).
   if (best.persistent && best.wide && best.lamport && best.bt == 4) {
-    const int x_bytes = relu ? s_bytes_of(dtype) : x_bytes_of(dtype);
-    const long long units = gather_chunks(x_bytes, 4, false) * chunk_units(4 * x_bytes);
+    const long long units = gather_units(x_bytes_of(dtype), 4, false);
     const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
     best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * units;
   }
-  // The register-weights build (kernel_core.cuh kRegWeights; 16-bit, not beside the deep build,
-  // whose gather uses those registers) where a lane's share of a row is more than
+  // The register-weights build (kernel_core.cuh kRegWeights; 16-bit; beside the deep build
+  // only for ReLU layers, whose deep gather holds no more registers than the default one of
+  // the others: launch.cuh) where a lane's share of a row is more than
   // kRegLaneShare nonzeros: the rows per block and lanes per row as the kernel maps them (two
   // rows per warp when that makes one pass). Step probe, us/step: LSTM H=1024 (6.4 per lane)
   // 2.21 -> 2.09, ReLU H=2304 30% (43) 3.35 -> 3.21, LSTM H=4096 (12.8) 9.18 -> 9.13
   // (benchmarks/NOTES.md, session 13); with float words and sign-tagged ReLU words (session
   // 27), ReLU H=2304 5% (3.6) 2.00 -> 1.80 and ReLU H=1152 (3.6) 1.555 -> 1.530, while ReLU
   // H=1024 (3.2) ties and ReLU H=768 (2.4), ReLU H=1152 5% (1.8) and LSTM H=512 (1.6) lose
-  // 1.5-4.5%. SPRNN_CUDA_REG_WEIGHTS=0/1 forces it off/on.
+  // 1.5-4.5%; ReLU H=5760 (18) with the deep build 4.53 -> 4.38-4.40 (session 28).
+  // SPRNN_CUDA_REG_WEIGHTS=0/1 forces it off/on.
   if (best.persistent && best.wide && best.lamport && best.bt == 4 && dtype != 0 &&
-      !best.deep_gather) {
+      (!best.deep_gather || relu)) {
     const long long knob = env_int("SPRNN_CUDA_REG_WEIGHTS", -1);
     const bool half =
         two_rows_per_warp(static_cast<int>(rows), best.threads / 32, row_lanes_knob());
@@ -345,9 +345,9 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // stays on chip with them. Step probe, fp16, B=4, us/step: ReLU H=2304 30% 3.22 -> 3.12,
   // LSTM H=1024 2.08 -> 2.03; LSTM H=4096 would no longer fit (benchmarks/NOTES.md, session
   // 15). SPRNN_CUDA_FLOAT_WORDS=0 turns them off, 1 forces them on beside the register weights
-  // even where nonzeros then spill to L2 (tests).
+  // even where nonzeros then spill to L2 (tests). Not beside the deep build (no such build).
   if (dtype == 0) best.float_words = best.persistent && best.wide;  // 8 bytes either way
-  if (best.reg_weights) {
+  if (best.reg_weights && !best.deep_gather) {
     const long long knob = env_int("SPRNN_CUDA_FLOAT_WORDS", -1);
     Plan c = best;
     c.float_words = true;
@@ -436,8 +436,7 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
 // Variant 5 asks for the cluster plan and falls back to variant 3's plan with a reason. The
 // default (-1) never picks it: measured on the H200 it is 1.05-4x slower than variant 3
 // (benchmarks/NOTES.md). SPRNN_CUDA_CLUSTER: the largest cluster size to plan for.
-// relu: an rnn layer with ReLU (its exchange words are sign-tagged: the gather moves more units
-// per chunk).
+// relu: an rnn layer with ReLU (its deep-gather build has a register-weights build too).
 Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
                const DeviceInfo& dev, bool relu) {
   if (variant == kCluster) {

@@ -507,17 +507,11 @@ __device__ __forceinline__ void mark_columns(const Params& p, int G, long long k
 
 // Units per gather chunk of the wide layout, for units of unit_bytes exchange bytes: where a
 // unit is under 16 bytes (sign-tagged 16-bit tiles of 4, tiles of 1 and 2) a chunk takes
-// 16 / unit_bytes consecutive units, one 16-byte load and store, so that a thread moves as many
-// bytes per chunk as with a tagged tile of 4 (the gather's loads and checks per byte halve or
-// quarter). SPRNN_CHUNK_UNITS=0 builds one unit per chunk (step probe A/B only).
-#ifndef SPRNN_NO_PAD_TEST
-#define SPRNN_NO_PAD_TEST 0
-#endif
-#ifndef SPRNN_CHUNK_UNITS
-#define SPRNN_CHUNK_UNITS 1
-#endif
+// 16 / unit_bytes consecutive units, one 16-byte load and store instead of one per unit. Step
+// probe, us/step, one unit / two units per chunk: ReLU H=1152 1.504-1.509 / 1.478-1.486, ReLU
+// H=2304 30% 2.738-2.741 / 2.640-2.646 (benchmarks/NOTES.md, session 28).
 __host__ __device__ constexpr int chunk_units(int unit_bytes) {
-  return SPRNN_CHUNK_UNITS && unit_bytes < 16 ? 16 / unit_bytes : 1;
+  return unit_bytes < 16 ? 16 / unit_bytes : 1;
 }
 
 // The exchange buffer holds exchange_units(H) units per tile and slot, H rounded up to 8, so that
@@ -751,19 +745,20 @@ __device__ __forceinline__ int lane_row_slice(int lane, int group, int lpn) {
 constexpr int kGatherWords = 32;
 __host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kGatherWords : kGatherWords; }
 
-// Chunks of h each thread has in flight per gather round (persistent_fwd's K; the planner's
-// deep-gather rule uses it too) for x_bytes of exchange word per value (XWord::P) and tile bt:
-// a chunk is chunk_units units or 32 bytes of one unit, a round at most gather_words(deep)
-// words and gather_words / 4 chunks.
-__host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
-  const int unit = x_bytes * bt * chunk_units(x_bytes * bt);
-  const int chunk_words = (unit <= 32 ? unit : 32) / 4;
-#ifdef SPRNN_CHUNK_K_HALF_TEST
-  const int flight = gather_words(deep) / chunk_words / (chunk_units(x_bytes * bt) > 1 ? 2 : 1);
-#else
+// Chunks of h each thread has in flight per gather round (persistent_fwd's K) for x_bytes of
+// exchange word per value (XWord::P) and tile bt: with a unit or 32 bytes of one per chunk, a
+// round takes at most gather_words(deep) words and gather_words / 4 chunks; chunks of
+// chunk_units units keep those rounds' bytes (twice the words in flight, 32 per thread, ran
+// ReLU H=1152 and H=2304 30% 0.03-0.06 us/step slower: registers). The planner's deep-gather
+// rule uses gather_units.
+__host__ __device__ constexpr int gather_units(int x_bytes, int bt, bool deep) {
+  const int chunk_words = (x_bytes * bt <= 32 ? x_bytes * bt : 32) / 4;
   const int flight = gather_words(deep) / chunk_words;
-#endif
   return flight < 1 ? 1 : (flight > gather_words(deep) / 4 ? gather_words(deep) / 4 : flight);
+}
+__host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
+  const int k = gather_units(x_bytes, bt, deep) / chunk_units(x_bytes * bt);
+  return k < 1 ? 1 : k;
 }
 
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
@@ -1460,7 +1455,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           __stcg(reinterpret_cast<unsigned short*>(xraw) + xo, static_cast<unsigned short>(T::f_to_bits(hnew)));
         }
       }
-      if constexpr (kUPC > 1 && !SPRNN_NO_PAD_TEST) {
+      if constexpr (kUPC > 1) {
         if (tid < pad_pairs)  // the last chunk's units past H: zeros
           st_relaxed(static_cast<typename XW::P*>(p.xbuf) + tile_off + static_cast<long long>(H) * BT + tid,
                      XW::publish(0u, s));

@@ -30,8 +30,10 @@ auto by_dtype(int dtype, F&& f) {
 // (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
 // h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types, with
 // 4-byte or float words: RowWord) exist for the wide tile 4 only: `deep`, `reg` and `fw`
-// elsewhere are ignored (deep wins; 16-bit float words only beside the register weights).
-// Float32 wide builds always have float words (the plan says so).
+// elsewhere are ignored (deep wins, but for 16-bit ReLU layers, whose deep gather holds no more
+// registers than the others' default one: two units per chunk, kernel_core.cuh chunk_units;
+// 16-bit float words only beside the register weights). Float32 wide builds always have float
+// words (the plan says so).
 template <Cell C, DType D>
 KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
@@ -40,6 +42,9 @@ KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw) {
     case 1: return &persistent_fwd<C, D, 1, true, false, 0, kFW>;
     case 2: return &persistent_fwd<C, D, 2, true, false, 0, kFW>;
     case 4:
+      if constexpr (C == Cell::kRnnRelu && D != DType::kF32) {
+        if (deep && reg) return &persistent_fwd<C, D, 4, true, true, kRegWeights>;
+      }
       if (deep) return &persistent_fwd<C, D, 4, true, true, 0, kFW>;
       if constexpr (D != DType::kF32) {
         if (reg && fw) return &persistent_fwd<C, D, 4, true, false, kRegWeights, true>;
