@@ -1295,8 +1295,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // Units per tile in the exchange buffer: the chunked gathers need 16-byte aligned tiles; the
   // other builds keep H (their code, registers and all, as before the chunks).
   const int Hx = kUPC > 1 ? static_cast<int>(exchange_units(H)) : H;
-  // The block of the last unit publishes the units past H of the gather's last chunk.
-  const int pad_pairs = kUPC > 1 && p.lamport && u0 + nu == H ? ((H + kUPC - 1) / kUPC * kUPC - H) * BT : 0;
+  // The block of the last unit (not an empty block after it, which nobody waits for) publishes
+  // the units past H of the gather's last chunk.
+  const int pad_pairs =
+      kUPC > 1 && p.lamport && nu > 0 && u0 + nu == H ? ((H + kUPC - 1) / kUPC * kUPC - H) * BT : 0;
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
