@@ -745,20 +745,16 @@ __device__ __forceinline__ int lane_row_slice(int lane, int group, int lpn) {
 constexpr int kGatherWords = 32;
 __host__ __device__ constexpr int gather_words(bool deep) { return deep ? 2 * kGatherWords : kGatherWords; }
 
-// Chunks of h each thread has in flight per gather round (persistent_fwd's K) for x_bytes of
-// exchange word per value (XWord::P) and tile bt: with a unit or 32 bytes of one per chunk, a
-// round takes at most gather_words(deep) words and gather_words / 4 chunks; chunks of
-// chunk_units units keep those rounds' bytes (twice the words in flight, 32 per thread, ran
-// ReLU H=1152 and H=2304 30% 0.03-0.06 us/step slower: registers). The planner's deep-gather
-// rule uses gather_units.
+// Units (or 32-byte pieces of one) each thread has in flight per gather round, for x_bytes of
+// exchange word per value (XWord::P) and tile bt: at most gather_words(deep) words and
+// gather_words / 4 loads. The planner's deep-gather rule uses it too. Chunks of chunk_units
+// units keep those rounds' bytes (persistent_fwd's K = this / units per chunk): twice the words
+// in flight, 32 per thread, ran ReLU H=1152 and H=2304 30% 0.03-0.06 us/step slower
+// (registers; benchmarks/NOTES.md, session 28).
 __host__ __device__ constexpr int gather_units(int x_bytes, int bt, bool deep) {
   const int chunk_words = (x_bytes * bt <= 32 ? x_bytes * bt : 32) / 4;
   const int flight = gather_words(deep) / chunk_words;
   return flight < 1 ? 1 : (flight > gather_words(deep) / 4 ? gather_words(deep) / 4 : flight);
-}
-__host__ __device__ constexpr int gather_chunks(int x_bytes, int bt, bool deep) {
-  const int k = gather_units(x_bytes, bt, deep) / chunk_units(x_bytes * bt);
-  return k < 1 ? 1 : k;
 }
 
 // The row mapping of persistent_fwd for tile BT: each lane accumulates kNV batch columns (at
@@ -1189,7 +1185,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   // Chunks in flight per thread: up to 128 bytes, or 256 in the deep-gather build.
-  constexpr int K = gather_chunks(static_cast<int>(sizeof(typename XW::P)), BT, kDeepGather);
+  constexpr int K = gather_units(static_cast<int>(sizeof(typename XW::P)), BT, kDeepGather) / kUPC;
+  static_assert(K >= 1, "a round holds at least one chunk");
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
   // kLPN lanes of a slice read one weight (a shared-memory broadcast) and contiguous h
