@@ -99,7 +99,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
          activation: str = "tanh") -> dict:
     """The kernel's placement plan for a layer on the current GPU (or a hypothetical one:
     ``sms`` > 0 with ``smem_optin``, ``cc_major`` and ``max_cluster``, 0 = 16 on cc >= 9).
-    ``activation`` ("tanh" or "relu") matters for rnn layers: ReLU layers exchange smaller words.
+    ``activation`` ("tanh" or "relu") matters for rnn layers: ReLU layers' deep-gather build
+    has register weights too (``reg_weights``).
 
     Keys include ``persistent`` (False: per-step fallback), ``variant``, ``cluster`` (CTAs per
     cluster, 0 = grid plan), ``on_chip``, ``batch_tile``, ``tiles``, ``groups`` (> 1: the
