@@ -1168,7 +1168,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   using T = Tr<D>;
   using S = typename T::S;
   using XW = XWord<kCell, D, BT>;
-  using X = typename XW::X;
+  using X = typename XW::X;  // loaded by the gather
+  using P = typename XW::P;  // published per value
   using W = RowWordT<D, kFloatWords>;
   constexpr int G = gates_of(kCell);
   constexpr bool kLstmCell = kCell == Cell::kLstm;
@@ -1178,14 +1179,13 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // Units under 16 bytes travel kUPC to a chunk (chunk_units).
   constexpr int kXU = BT / XW::kVals;
   constexpr int kUPC = kWide ? chunk_units(static_cast<int>(sizeof(X)) * kXU) : 1;
-  constexpr int kCW = kUPC > 1 ? kXU * kUPC
-                               : (static_cast<int>(sizeof(X)) * kXU <= 32 ? kXU : 32 / static_cast<int>(sizeof(X)));
+  constexpr int kCW = kXU * kUPC <= 32 / static_cast<int>(sizeof(X)) ? kXU * kUPC : 32 / static_cast<int>(sizeof(X));
   constexpr int kCV = kCW * XW::kVals;
-  constexpr int kCPU = kUPC > 1 ? 1 : kXU / kCW;
+  constexpr int kCPU = kXU / kCW > 1 ? kXU / kCW : 1;
   constexpr int kRW = static_cast<int>(sizeof(S)) * BT <= 32 ? BT : 32 / static_cast<int>(sizeof(S));
   constexpr int kRPU = BT / kRW;
   // Chunks in flight per thread: up to 128 bytes, or 256 in the deep-gather build.
-  constexpr int K = gather_units(static_cast<int>(sizeof(typename XW::P)), BT, kDeepGather) / kUPC;
+  constexpr int K = gather_units(static_cast<int>(sizeof(P)), BT, kDeepGather) / kUPC;
   static_assert(K >= 1, "a round holds at least one chunk");
   // Row mapping (RowMap): tiles up to 8 (16-bit) / 4 (float32) have kLPN = 1, every lane its
   // own nonzeros with the whole tile (the original mapping). Larger tiles ("batch lanes"): the
@@ -1375,8 +1375,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         }
       } else {
         const X tag = XW::tag_word(s - 1);
+        const int nitems = (H * kCPU + kUPC - 1) / kUPC;  // chunks
         const X* src = xtag + prev_off / XW::kVals;
-        const int nitems = kUPC > 1 ? (H + kUPC - 1) / kUPC : H * kCPU;
         unsigned long long start = 0;
         // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
         // are issued before any tag is checked, and only the pending ones are polled again.
@@ -1447,7 +1447,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
         const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
-          st_relaxed(static_cast<typename XW::P*>(p.xbuf) + xo, XW::publish(T::f_to_bits(hnew), s));
+          st_relaxed(static_cast<P*>(p.xbuf) + xo, XW::publish(T::f_to_bits(hnew), s));
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
@@ -1456,7 +1456,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       }
       if constexpr (kUPC > 1) {
         if (tid < pad_pairs)  // the last chunk's units past H: zeros
-          st_relaxed(static_cast<typename XW::P*>(p.xbuf) + tile_off + static_cast<long long>(H) * BT + tid,
+          st_relaxed(static_cast<P*>(p.xbuf) + tile_off + static_cast<long long>(H) * BT + tid,
                      XW::publish(0u, s));
       }
       SPRNN_PROBE_STAMP(s, 3);
