@@ -137,8 +137,8 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     if variant == -1:  # benchmarks select a variant for the public API through the environment
         variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "-1"))
     try:
-        info = _ffi.cuda_module.plan(gates, dtype_code, hidden, batch, nnz, variant, 0, 0, 0, 0,
-                                     cell == "rnn" and activation != 0)
+        info = plan(cell, xp_aval.dtype, hidden, batch, nnz, variant,
+                    activation="relu" if activation else "tanh")
     except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
         info = None
     if info is not None and info["reason"] and variant != VARIANTS["step_loop"]:
