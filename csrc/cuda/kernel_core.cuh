@@ -702,7 +702,11 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #ifndef SPRNN_ROW_TAIL_DEPTH
 #define SPRNN_ROW_TAIL_DEPTH 4
 #endif
+#ifndef SPRNN_ROW_SHORT_DEPTH
+#define SPRNN_ROW_SHORT_DEPTH SPRNN_ROW_TAIL_DEPTH
+#endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
+constexpr int kRowShortDepth = SPRNN_ROW_SHORT_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
 // Register weights (persistent_fwd's kRegW > 0): each lane keeps the weight words of its first
@@ -714,8 +718,17 @@ static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 // 2.21 -> 2.09, ReLU H=2304 30% 3.35 -> 3.21; lanes with at most kRowTailDepth nonzeros per
 // row gain nothing (ReLU H=1152 1.83 -> 1.82) or lose (ReLU H=1024 1.68 -> 1.73: the round
 // gathers 8 words for 3-4), so the planner picks the build per layer (handlers.cu).
-constexpr int kRegWeights = 8;
+#ifndef SPRNN_REG_WEIGHTS
+#define SPRNN_REG_WEIGHTS 8
+#endif
+#ifndef SPRNN_REG_PASSES
+#define SPRNN_REG_PASSES 1
+#endif
+constexpr int kRegWeights = SPRNN_REG_WEIGHTS;
+constexpr int kRegPasses = SPRNN_REG_PASSES;
 __host__ __device__ constexpr int reg_slots(int reg_w) { return reg_w > 0 ? reg_w : 1; }
+template <class W, int kRegW>
+using RegWords = W[kRegPasses][reg_slots(kRegW)];
 
 // persistent_fwd's row mapping for a block of `rows` rows and `warps` warps (Params::row_lanes:
 // 16 / 32 forces half / whole warps, 0 = this rule): half a warp per row where that turns two
@@ -869,8 +882,10 @@ __device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
   for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS) round(RoundShape<kRowDepth, false>{}, kr);
   if (k1 - kr > kRowTailDepth * kNS) {
     round(RoundShape<kRowDepth, true>{}, kr);
-  } else if (kr < k1) {
+  } else if (kRowShortDepth < kRowTailDepth && k1 - kr > kRowShortDepth * kNS) {
     round(RoundShape<kRowTailDepth, true>{}, kr);
+  } else if (kr < k1) {
+    round(RoundShape<kRowShortDepth, true>{}, kr);
   }
 }
 
@@ -887,8 +902,8 @@ template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
 __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
-                                        const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
-                                        bool use_reg,
+                                        const RegWords<RowWordT<D, kFW>, kRegW>& wreg,
+                                        int pass,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -904,11 +919,13 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
   if (k1 <= n_in) {
     int kr = k0;
     if constexpr (kRegW > 0) {
-      if (use_reg) {  // this lane's first kRegW nonzeros of the row, held in wreg
+      if (pass < kRegPasses) {  // this lane's first kRegW nonzeros of the row, held in wreg
         bool on[kRegW];
 #pragma unroll
         for (int q = 0; q < kRegW; ++q) on[q] = k0 + sl + kNS * q < k1;
-        dot_words<D, BT, kWide, kFW, kRegW>(wreg, on, h_s, H, b0, acc);
+#pragma unroll
+        for (int ps = 0; ps < kRegPasses; ++ps)
+          if (pass == ps) dot_words<D, BT, kWide, kFW, kRegW>(wreg[ps], on, h_s, H, b0, acc);
         kr = k0 + kRegW * kNS;
       }
     }
@@ -977,20 +994,20 @@ __device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, 
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows,
-                                             const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
+                                             const RegWords<RowWordT<D, kFW>, kRegW>& wreg,
                                              float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x & 31;
   const int g = lane % kGroup;
+  int pass = 0;  // wreg's index
   for (int base = (threadIdx.x >> 5) * kRowsPerWarp; base < nrows;
-       base += (blockDim.x >> 5) * kRowsPerWarp) {  // the same trip count in the whole warp
+       base += (blockDim.x >> 5) * kRowsPerWarp, ++pass) {  // the same trip count in the whole warp
     const int r = base + lane / kGroup;  // lane_first_row in the first pass
     const bool has_row = r < nrows;
     float acc[M::kNV];
-    const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
     row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
-                                              has_row ? rows_s[r + 1] : 0, wreg, first_pass,
+                                              has_row ? rows_s[r + 1] : 0, wreg, pass,
                                               acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
@@ -1276,16 +1293,19 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
   // round takes (the same lane, row and order as there; rows wholly on chip only).
   static_assert(kRegW == 0 || D != DType::kF32, "register weights: 16-bit weights only");
-  W wreg[reg_slots(kRegW)] = {};
+  RegWords<W, kRegW> wreg = {};
   if constexpr (kRegW > 0) {
     const int group = half_warps ? 16 : 32;
-    const int r = lane_first_row(tid, group);
     const int sl = lane_row_slice(tid & 31, group, kLPN), ns = group / kLPN;
-    if (r < nu * G && rows_s[r + 1] <= n_in) {
 #pragma unroll
-      for (int q = 0; q < kRegW; ++q) {
-        const int k = rows_s[r] + sl + ns * q;
-        wreg[q] = k < rows_s[r + 1] ? w_s[k] : W{};
+    for (int ps = 0; ps < kRegPasses; ++ps) {
+      const int r = lane_first_row(tid, group) + ps * (nthr >> 5) * (32 / group);
+      if (r < nu * G && rows_s[r + 1] <= n_in) {
+#pragma unroll
+        for (int q = 0; q < kRegW; ++q) {
+          const int k = rows_s[r] + sl + ns * q;
+          wreg[ps][q] = k < rows_s[r + 1] ? w_s[k] : W{};
+        }
       }
     }
   }
