@@ -1172,6 +1172,9 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 #define SPRNN_PERSISTENT_THREADS 512
 #endif
 constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
+#ifndef SPRNN_PERSISTENT_BOUNDS
+#define SPRNN_PERSISTENT_BOUNDS __launch_bounds__(kPersistentThreads, 1)
+#endif
 
 // Threads per CTA the cluster kernel (cluster_kernel.cuh) is built for: tiles of 16 run 512
 // threads with up to 128 registers, smaller tiles 1024.
@@ -1181,7 +1184,7 @@ __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 
 // kFloatWords select the builds of gather_words, kRegWeights and RowWord.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0,
           bool kFloatWords = false>
-__global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
+__global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
   using XW = XWord<kCell, D, BT>;
