@@ -678,6 +678,38 @@ __device__ __forceinline__ void load_weights(const Params& p, long long kb0, lon
                                            unit_bytes);
 }
 
+// load_weights for kSeg column segments: each row's nonzeros grouped by the segment of their
+// column (segment k: units [seg_unit(k), seg_unit(k + 1))), in their order within a segment;
+// rs[r * kSeg + k] = where row r's segment k starts (from kb0), rs[nrows * kSeg] = the total.
+// One warp per row, one ballot per 32 nonzeros and segment.
+template <DType D, bool kFloatWords, int kSeg, class SegUnit>
+__device__ __forceinline__ void load_weights_segmented(const Params& p, long long r0, int nrows,
+                                                       long long kb0, int* rs,
+                                                       RowWordT<D, kFloatWords>* w_s,
+                                                       int unit_bytes, SegUnit seg_unit) {
+  using T = Tr<D>;
+  const typename T::S* vals = static_cast<const typename T::S*>(p.values);
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < nrows; r += blockDim.x >> 5) {
+    const long long a = __ldg(p.row_ptr + r0 + r), b = __ldg(p.row_ptr + r0 + r + 1);
+    int pos = static_cast<int>(a - kb0);
+    for (int k = 0; k < kSeg; ++k) {
+      if (lane == 0) rs[r * kSeg + k] = pos;
+      const int lo = seg_unit(k), hi = seg_unit(k + 1);
+      for (long long base = a; base < b; base += 32) {
+        const long long i = base + lane;
+        const int col = i < b ? __ldg(p.col_idx + i) : -1;
+        const bool in = col >= lo && col < hi;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        if (in)
+          w_s[pos + __popc(m & ((1u << lane) - 1u))] =
+              RowWord<D, kFloatWords>::make(T::to_f(vals[i]), col, unit_bytes);
+        pos += __popc(m);
+      }
+    }
+  }
+}
+
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
 // padding columns b >= B): hst/cst[ul * bpad + b - b_lo] from h0/c0.
 template <Cell kCell, DType D>
@@ -989,13 +1021,13 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
-template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
+template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW, int kSeg = 1>
 __device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, kFW>* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows,
                                              const RegWords<RowWordT<D, kFW>, kRegW>& wreg,
-                                             float* acc_s) {
+                                             float* acc_s, int seg = 0) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x & 31;
@@ -1006,18 +1038,25 @@ __device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, 
     const int r = base + lane / kGroup;  // lane_first_row in the first pass
     const bool has_row = r < nrows;
     float acc[M::kNV];
-    row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
-                                              has_row ? rows_s[r + 1] : 0, wreg, pass,
+    row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s,
+                                              has_row ? rows_s[r * kSeg + seg] : 0,
+                                              has_row ? rows_s[r * kSeg + seg + 1] : 0, wreg, pass,
                                               acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
-      const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
-      if (has_row && g % (kGroup / M::kNV) == 0) acc_s[r * BT + col] = sum;
+      float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
+      if (has_row && g % (kGroup / M::kNV) == 0) {
+        if (kSeg > 1 && seg > 0) sum += acc_s[r * BT + col];
+        acc_s[r * BT + col] = sum;
+      }
     } else {
       sum_slices<M::kNV, kGroup, M::kLPN>(acc);
       if (has_row && g < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
 #pragma unroll
-        for (int i = 0; i < M::kNV; ++i) acc_s[r * BT + g * M::kNV + i] = acc[i];
+        for (int i = 0; i < M::kNV; ++i) {
+          if (kSeg > 1 && seg > 0) acc[i] += acc_s[r * BT + g * M::kNV + i];
+          acc_s[r * BT + g * M::kNV + i] = acc[i];
+        }
       }
     }
   }
@@ -1183,7 +1222,7 @@ __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru. kDeepGather, kRegW and
 // kFloatWords select the builds of gather_words, kRegWeights and RowWord.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0,
-          bool kFloatWords = false>
+          bool kFloatWords = false, int kSeg = 1>
 __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -1264,7 +1303,7 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   int* len_s = reinterpret_cast<int*>(smem + L.len_off);  // clamped lengths of the bpad columns
   // The weight region (w_cap words) holds this block's row offsets (from kb0), then as many of
   // its nonzeros as fit: sized by the block's own rows, not the worst case u_cap.
-  const long long rows_bytes = align16(static_cast<long long>(nu * G + 1) * 4);
+  const long long rows_bytes = align16(static_cast<long long>(nu * G * kSeg + 1) * 4);
   int* rows_s = reinterpret_cast<int*>(smem + L.w_off);
   W* w_s = reinterpret_cast<W*>(smem + L.w_off + rows_bytes);
   const long long w_room = p.w_cap - rows_bytes / static_cast<long long>(sizeof(W));
@@ -1281,8 +1320,26 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-  load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
-  load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
+  // Column segments (kSeg > 1): the gather of segment k + 1 in flight while the rows sum
+  // segment k; each row's nonzeros grouped by segment (load_weights_segmented).
+  static_assert(kSeg == 1 || (kWide && kRegW == 0 && !kFilter && kCPU == 1), "segments: tile 4 builds");
+  const int seg_items = (H * kCPU + kUPC - 1) / kUPC;
+  auto seg_item = [&](int k) { return static_cast<int>(static_cast<long long>(seg_items) * k / kSeg); };
+  auto seg_unit = [&](int k) { const int u = seg_item(k) * kUPC; return u < H ? u : H; };
+  if constexpr (kSeg > 1) {
+    if (n_in < kb1 - kb0) {  // the host picks segments only where every nonzero is on chip
+      if (tid == 0) atomicExch(p.abort_flag, 2);
+      return;
+    }
+    load_weights_segmented<D, kFloatWords, kSeg>(p, static_cast<long long>(u0) * G, nu * G, kb0,
+                                                 rows_s, w_s, BT * static_cast<int>(sizeof(S)),
+                                                 seg_unit);
+    if (tid == 0) rows_s[nu * G * kSeg] = static_cast<int>(kb1 - kb0);
+    load_step_constants(p, 0, bpad, len_s, 0, -1, kb0, rows_s);
+  } else {
+    load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
+    load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
+  }
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
     for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = 0u;
@@ -1398,7 +1455,7 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
         }
       } else {
         const X tag = XW::tag_word(s - 1);
-        const int nitems = (H * kCPU + kUPC - 1) / kUPC;  // chunks
+        const int nitems = kSeg > 1 ? seg_item(1) : (H * kCPU + kUPC - 1) / kUPC;  // chunks
         const X* src = xtag + prev_off / XW::kVals;
         unsigned long long start = 0;
         // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
@@ -1446,7 +1503,72 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
       SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).
-      if (SPRNN_PROBE_MODE != 1) {
+      if constexpr (kSeg > 1) {
+        // Segment k's rows while segment k + 1's first round of loads is in flight (Lamport
+        // steps after the first; otherwise the whole tile is in already).
+        const bool overlap = s > 0 && p.lamport;
+        const X tag = XW::tag_word(s - 1);
+        const X* src = xtag + prev_off / XW::kVals;
+        for (int k = 0; k < kSeg; ++k) {
+          if (k > 0 && __syncthreads_or(aborted)) return;  // segment k is in
+          X w[K][kCW] = {};
+          unsigned int pending = 0u;
+          int left = 0;
+          int ib = seg_item(k + 1) + tid;
+          const int hi = k + 1 < kSeg ? seg_item(k + 2) : 0;
+          auto issue = [&]() {
+            left = ib + (K - 1) * nthr < hi ? K : (ib < hi ? (hi - ib + nthr - 1) / nthr : 0);
+            pending = left >= K ? (1u << K) - 1u : (1u << left) - 1u;
+#pragma unroll
+            for (int i = 0; i < K; ++i)
+              load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
+          };
+          auto absorb = [&]() {
+#pragma unroll
+            for (int i = 0; i < K; ++i) {
+              if (i >= left) break;
+              bool ok = (pending >> i) & 1u;
+#pragma unroll
+              for (int q = 0; q < kCW; ++q) ok = ok && (XW::ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
+              if (ok) {
+                uint32_t bits[kCV];
+#pragma unroll
+                for (int q = 0; q < kCV; ++q) bits[q] = XW::value(w[i][q / XW::kVals], q % XW::kVals);
+                store_h<S, BT, kCV, kWide>(h_s, H, ib + i * nthr, bits);
+                pending &= ~(1u << i);
+              }
+            }
+          };
+          if (overlap && k + 1 < kSeg) issue();
+          if (SPRNN_PROBE_MODE != 1) {
+            if (half_warps)
+              compute_rows<D, BT, kWide, kFloatWords, 16, kRegW, kSeg>(p, w_s, kb0, n_in, h_s, rows_s,
+                                                                       nu * G, wreg, acc_s, k);
+            else
+              compute_rows<D, BT, kWide, kFloatWords, 32, kRegW, kSeg>(p, w_s, kb0, n_in, h_s, rows_s,
+                                                                       nu * G, wreg, acc_s, k);
+          }
+          if (overlap && k + 1 < kSeg) {
+            unsigned long long start = 0;
+            int spins = 0;
+            absorb();
+            for (;;) {
+              while (pending) {
+                if (p.spin_ns) __nanosleep(p.spin_ns);
+                if ((++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
+#pragma unroll
+                for (int i = 0; i < K; ++i)
+                  load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
+                absorb();
+              }
+              ib += nthr * K;
+              if (aborted || ib >= hi) break;
+              issue();
+              absorb();
+            }
+          }
+        }
+      } else if (SPRNN_PROBE_MODE != 1) {
         if (half_warps)
           compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
                                                              nu * G, wreg, acc_s);
