@@ -48,11 +48,6 @@ using namespace sprnn::cuda;
 
 
 constexpr int kBT = 4, kB = 4, kT = 256;
-// Column segments of the deep and plain builds (persistent_fwd's kSeg; an A/B macro).
-#ifndef SPRNN_PROBE_SEGMENTS
-#define SPRNN_PROBE_SEGMENTS 1
-#endif
-constexpr int kProbeSegments = SPRNN_PROBE_SEGMENTS;
 
 struct Config {
   std::string cell;
@@ -233,10 +228,10 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.xbuf = ws + 512 + 1024ull * c.xbuf_kb;
 
   auto fn = c.deep && c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, true, kRegWeights>
-            : c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true, 0, false, kProbeSegments>
+            : c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
             : c.regw && c.fw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights, true>
             : c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights>
-                     : &persistent_fwd<kCell, DType::kF16, kBT, true, false, 0, false, kProbeSegments>;
+                     : &persistent_fwd<kCell, DType::kF16, kBT, true>;
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   if (c.wcap_pct > 0) {
     int smem_sm = 0;

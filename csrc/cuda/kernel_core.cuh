@@ -678,38 +678,6 @@ __device__ __forceinline__ void load_weights(const Params& p, long long kb0, lon
                                            unit_bytes);
 }
 
-// load_weights for kSeg column segments: each row's nonzeros grouped by the segment of their
-// column (segment k: units [seg_unit(k), seg_unit(k + 1))), in their order within a segment;
-// rs[r * kSeg + k] = where row r's segment k starts (from kb0), rs[nrows * kSeg] = the total.
-// One warp per row, one ballot per 32 nonzeros and segment.
-template <DType D, bool kFloatWords, int kSeg, class SegUnit>
-__device__ __forceinline__ void load_weights_segmented(const Params& p, long long r0, int nrows,
-                                                       long long kb0, int* rs,
-                                                       RowWordT<D, kFloatWords>* w_s,
-                                                       int unit_bytes, SegUnit seg_unit) {
-  using T = Tr<D>;
-  const typename T::S* vals = static_cast<const typename T::S*>(p.values);
-  const int lane = threadIdx.x & 31;
-  for (int r = threadIdx.x >> 5; r < nrows; r += blockDim.x >> 5) {
-    const long long a = __ldg(p.row_ptr + r0 + r), b = __ldg(p.row_ptr + r0 + r + 1);
-    int pos = static_cast<int>(a - kb0);
-    for (int k = 0; k < kSeg; ++k) {
-      if (lane == 0) rs[r * kSeg + k] = pos;
-      const int lo = seg_unit(k), hi = seg_unit(k + 1);
-      for (long long base = a; base < b; base += 32) {
-        const long long i = base + lane;
-        const int col = i < b ? __ldg(p.col_idx + i) : -1;
-        const bool in = col >= lo && col < hi;
-        const unsigned m = __ballot_sync(0xffffffffu, in);
-        if (in)
-          w_s[pos + __popc(m & ((1u << lane) - 1u))] =
-              RowWord<D, kFloatWords>::make(T::to_f(vals[i]), col, unit_bytes);
-        pos += __popc(m);
-      }
-    }
-  }
-}
-
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
 // padding columns b >= B): hst/cst[ul * bpad + b - b_lo] from h0/c0.
 template <Cell kCell, DType D>
@@ -734,11 +702,7 @@ __device__ __forceinline__ void init_state(const Params& p, int u0, int nu, int 
 #ifndef SPRNN_ROW_TAIL_DEPTH
 #define SPRNN_ROW_TAIL_DEPTH 4
 #endif
-#ifndef SPRNN_ROW_SHORT_DEPTH
-#define SPRNN_ROW_SHORT_DEPTH SPRNN_ROW_TAIL_DEPTH
-#endif
 constexpr int kRowDepth = SPRNN_ROW_DEPTH, kRowTailDepth = SPRNN_ROW_TAIL_DEPTH;
-constexpr int kRowShortDepth = SPRNN_ROW_SHORT_DEPTH;
 static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 
 // Register weights (persistent_fwd's kRegW > 0): each lane keeps the weight words of its first
@@ -750,17 +714,8 @@ static_assert(kRowTailDepth <= kRowDepth, "the tail round is the shorter one");
 // 2.21 -> 2.09, ReLU H=2304 30% 3.35 -> 3.21; lanes with at most kRowTailDepth nonzeros per
 // row gain nothing (ReLU H=1152 1.83 -> 1.82) or lose (ReLU H=1024 1.68 -> 1.73: the round
 // gathers 8 words for 3-4), so the planner picks the build per layer (handlers.cu).
-#ifndef SPRNN_REG_WEIGHTS
-#define SPRNN_REG_WEIGHTS 8
-#endif
-#ifndef SPRNN_REG_PASSES
-#define SPRNN_REG_PASSES 1
-#endif
-constexpr int kRegWeights = SPRNN_REG_WEIGHTS;
-constexpr int kRegPasses = SPRNN_REG_PASSES;
+constexpr int kRegWeights = 8;
 __host__ __device__ constexpr int reg_slots(int reg_w) { return reg_w > 0 ? reg_w : 1; }
-template <class W, int kRegW>
-using RegWords = W[kRegPasses][reg_slots(kRegW)];
 
 // persistent_fwd's row mapping for a block of `rows` rows and `warps` warps (Params::row_lanes:
 // 16 / 32 forces half / whole warps, 0 = this rule): half a warp per row where that turns two
@@ -914,10 +869,8 @@ __device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
   for (; kr + kRowDepth * kNS <= k1; kr += kRowDepth * kNS) round(RoundShape<kRowDepth, false>{}, kr);
   if (k1 - kr > kRowTailDepth * kNS) {
     round(RoundShape<kRowDepth, true>{}, kr);
-  } else if (kRowShortDepth < kRowTailDepth && k1 - kr > kRowShortDepth * kNS) {
-    round(RoundShape<kRowTailDepth, true>{}, kr);
   } else if (kr < k1) {
-    round(RoundShape<kRowShortDepth, true>{}, kr);
+    round(RoundShape<kRowTailDepth, true>{}, kr);
   }
 }
 
@@ -934,8 +887,8 @@ template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
 __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
-                                        const RegWords<RowWordT<D, kFW>, kRegW>& wreg,
-                                        int pass,
+                                        const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
+                                        bool use_reg,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -951,13 +904,11 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
   if (k1 <= n_in) {
     int kr = k0;
     if constexpr (kRegW > 0) {
-      if (pass < kRegPasses) {  // this lane's first kRegW nonzeros of the row, held in wreg
+      if (use_reg) {  // this lane's first kRegW nonzeros of the row, held in wreg
         bool on[kRegW];
 #pragma unroll
         for (int q = 0; q < kRegW; ++q) on[q] = k0 + sl + kNS * q < k1;
-#pragma unroll
-        for (int ps = 0; ps < kRegPasses; ++ps)
-          if (pass == ps) dot_words<D, BT, kWide, kFW, kRegW>(wreg[ps], on, h_s, H, b0, acc);
+        dot_words<D, BT, kWide, kFW, kRegW>(wreg, on, h_s, H, b0, acc);
         kr = k0 + kRegW * kNS;
       }
     }
@@ -1021,42 +972,35 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
-template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW, int kSeg = 1>
+template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
 __device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, kFW>* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows,
-                                             const RegWords<RowWordT<D, kFW>, kRegW>& wreg,
-                                             float* acc_s, int seg = 0) {
+                                             const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
+                                             float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x & 31;
   const int g = lane % kGroup;
-  int pass = 0;  // wreg's index
   for (int base = (threadIdx.x >> 5) * kRowsPerWarp; base < nrows;
-       base += (blockDim.x >> 5) * kRowsPerWarp, ++pass) {  // the same trip count in the whole warp
+       base += (blockDim.x >> 5) * kRowsPerWarp) {  // the same trip count in the whole warp
     const int r = base + lane / kGroup;  // lane_first_row in the first pass
     const bool has_row = r < nrows;
     float acc[M::kNV];
-    row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s,
-                                              has_row ? rows_s[r * kSeg + seg] : 0,
-                                              has_row ? rows_s[r * kSeg + seg + 1] : 0, wreg, pass,
+    const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
+    row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
+                                              has_row ? rows_s[r + 1] : 0, wreg, first_pass,
                                               acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
-      float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
-      if (has_row && g % (kGroup / M::kNV) == 0) {
-        if (kSeg > 1 && seg > 0) sum += acc_s[r * BT + col];
-        acc_s[r * BT + col] = sum;
-      }
+      const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
+      if (has_row && g % (kGroup / M::kNV) == 0) acc_s[r * BT + col] = sum;
     } else {
       sum_slices<M::kNV, kGroup, M::kLPN>(acc);
       if (has_row && g < M::kLPN) {  // slice 0 holds the sums of batch columns [b0, b0 + kNV)
 #pragma unroll
-        for (int i = 0; i < M::kNV; ++i) {
-          if (kSeg > 1 && seg > 0) acc[i] += acc_s[r * BT + g * M::kNV + i];
-          acc_s[r * BT + g * M::kNV + i] = acc[i];
-        }
+        for (int i = 0; i < M::kNV; ++i) acc_s[r * BT + g * M::kNV + i] = acc[i];
       }
     }
   }
@@ -1211,9 +1155,6 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 #define SPRNN_PERSISTENT_THREADS 512
 #endif
 constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
-#ifndef SPRNN_PERSISTENT_BOUNDS
-#define SPRNN_PERSISTENT_BOUNDS __launch_bounds__(kPersistentThreads, 1)
-#endif
 
 // Threads per CTA the cluster kernel (cluster_kernel.cuh) is built for: tiles of 16 run 512
 // threads with up to 128 registers, smaller tiles 1024.
@@ -1222,8 +1163,8 @@ __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru. kDeepGather, kRegW and
 // kFloatWords select the builds of gather_words, kRegWeights and RowWord.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0,
-          bool kFloatWords = false, int kSeg = 1>
-__global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
+          bool kFloatWords = false>
+__global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
   using XW = XWord<kCell, D, BT>;
@@ -1303,7 +1244,7 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   int* len_s = reinterpret_cast<int*>(smem + L.len_off);  // clamped lengths of the bpad columns
   // The weight region (w_cap words) holds this block's row offsets (from kb0), then as many of
   // its nonzeros as fit: sized by the block's own rows, not the worst case u_cap.
-  const long long rows_bytes = align16(static_cast<long long>(nu * G * kSeg + 1) * 4);
+  const long long rows_bytes = align16(static_cast<long long>(nu * G + 1) * 4);
   int* rows_s = reinterpret_cast<int*>(smem + L.w_off);
   W* w_s = reinterpret_cast<W*>(smem + L.w_off + rows_bytes);
   const long long w_room = p.w_cap - rows_bytes / static_cast<long long>(sizeof(W));
@@ -1320,26 +1261,8 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-  // Column segments (kSeg > 1): the gather of segment k + 1 in flight while the rows sum
-  // segment k; each row's nonzeros grouped by segment (load_weights_segmented).
-  static_assert(kSeg == 1 || (kWide && kRegW == 0 && !kFilter && kCPU == 1), "segments: tile 4 builds");
-  const int seg_items = (H * kCPU + kUPC - 1) / kUPC;
-  auto seg_item = [&](int k) { return static_cast<int>(static_cast<long long>(seg_items) * k / kSeg); };
-  auto seg_unit = [&](int k) { const int u = seg_item(k) * kUPC; return u < H ? u : H; };
-  if constexpr (kSeg > 1) {
-    if (n_in < kb1 - kb0) {  // the host picks segments only where every nonzero is on chip
-      if (tid == 0) atomicExch(p.abort_flag, 2);
-      return;
-    }
-    load_weights_segmented<D, kFloatWords, kSeg>(p, static_cast<long long>(u0) * G, nu * G, kb0,
-                                                 rows_s, w_s, BT * static_cast<int>(sizeof(S)),
-                                                 seg_unit);
-    if (tid == 0) rows_s[nu * G * kSeg] = static_cast<int>(kb1 - kb0);
-    load_step_constants(p, 0, bpad, len_s, 0, -1, kb0, rows_s);
-  } else {
-    load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
-    load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
-  }
+  load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
+  load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
     for (int i = tid; i < (H + 31) >> 5; i += nthr) cmask[i] = 0u;
@@ -1353,19 +1276,16 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
   // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
   // round takes (the same lane, row and order as there; rows wholly on chip only).
   static_assert(kRegW == 0 || D != DType::kF32, "register weights: 16-bit weights only");
-  RegWords<W, kRegW> wreg = {};
+  W wreg[reg_slots(kRegW)] = {};
   if constexpr (kRegW > 0) {
     const int group = half_warps ? 16 : 32;
+    const int r = lane_first_row(tid, group);
     const int sl = lane_row_slice(tid & 31, group, kLPN), ns = group / kLPN;
+    if (r < nu * G && rows_s[r + 1] <= n_in) {
 #pragma unroll
-    for (int ps = 0; ps < kRegPasses; ++ps) {
-      const int r = lane_first_row(tid, group) + ps * (nthr >> 5) * (32 / group);
-      if (r < nu * G && rows_s[r + 1] <= n_in) {
-#pragma unroll
-        for (int q = 0; q < kRegW; ++q) {
-          const int k = rows_s[r] + sl + ns * q;
-          wreg[ps][q] = k < rows_s[r + 1] ? w_s[k] : W{};
-        }
+      for (int q = 0; q < kRegW; ++q) {
+        const int k = rows_s[r] + sl + ns * q;
+        wreg[q] = k < rows_s[r + 1] ? w_s[k] : W{};
       }
     }
   }
@@ -1455,7 +1375,7 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
         }
       } else {
         const X tag = XW::tag_word(s - 1);
-        const int nitems = kSeg > 1 ? seg_item(1) : (H * kCPU + kUPC - 1) / kUPC;  // chunks
+        const int nitems = (H * kCPU + kUPC - 1) / kUPC;  // chunks
         const X* src = xtag + prev_off / XW::kVals;
         unsigned long long start = 0;
         // Rounds of up to K chunks per thread (items ib, ib + nthr, ...): all loads of a round
@@ -1503,72 +1423,7 @@ __global__ void SPRNN_PERSISTENT_BOUNDS persistent_fwd(Params p) {
       SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).
-      if constexpr (kSeg > 1) {
-        // Segment k's rows while segment k + 1's first round of loads is in flight (Lamport
-        // steps after the first; otherwise the whole tile is in already).
-        const bool overlap = s > 0 && p.lamport;
-        const X tag = XW::tag_word(s - 1);
-        const X* src = xtag + prev_off / XW::kVals;
-        for (int k = 0; k < kSeg; ++k) {
-          if (k > 0 && __syncthreads_or(aborted)) return;  // segment k is in
-          X w[K][kCW] = {};
-          unsigned int pending = 0u;
-          int left = 0;
-          int ib = seg_item(k + 1) + tid;
-          const int hi = k + 1 < kSeg ? seg_item(k + 2) : 0;
-          auto issue = [&]() {
-            left = ib + (K - 1) * nthr < hi ? K : (ib < hi ? (hi - ib + nthr - 1) / nthr : 0);
-            pending = left >= K ? (1u << K) - 1u : (1u << left) - 1u;
-#pragma unroll
-            for (int i = 0; i < K; ++i)
-              load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
-          };
-          auto absorb = [&]() {
-#pragma unroll
-            for (int i = 0; i < K; ++i) {
-              if (i >= left) break;
-              bool ok = (pending >> i) & 1u;
-#pragma unroll
-              for (int q = 0; q < kCW; ++q) ok = ok && (XW::ok(w[i][q], tag) || SPRNN_PROBE_MODE == 2);
-              if (ok) {
-                uint32_t bits[kCV];
-#pragma unroll
-                for (int q = 0; q < kCV; ++q) bits[q] = XW::value(w[i][q / XW::kVals], q % XW::kVals);
-                store_h<S, BT, kCV, kWide>(h_s, H, ib + i * nthr, bits);
-                pending &= ~(1u << i);
-              }
-            }
-          };
-          if (overlap && k + 1 < kSeg) issue();
-          if (SPRNN_PROBE_MODE != 1) {
-            if (half_warps)
-              compute_rows<D, BT, kWide, kFloatWords, 16, kRegW, kSeg>(p, w_s, kb0, n_in, h_s, rows_s,
-                                                                       nu * G, wreg, acc_s, k);
-            else
-              compute_rows<D, BT, kWide, kFloatWords, 32, kRegW, kSeg>(p, w_s, kb0, n_in, h_s, rows_s,
-                                                                       nu * G, wreg, acc_s, k);
-          }
-          if (overlap && k + 1 < kSeg) {
-            unsigned long long start = 0;
-            int spins = 0;
-            absorb();
-            for (;;) {
-              while (pending) {
-                if (p.spin_ns) __nanosleep(p.spin_ns);
-                if ((++spins & 31) == 0 && wait_expired(p, start)) { aborted = true; break; }
-#pragma unroll
-                for (int i = 0; i < K; ++i)
-                  load_x<X, kCW>(src + static_cast<long long>(ib + i * nthr) * kCW, w[i], (pending >> i) & 1u);
-                absorb();
-              }
-              ib += nthr * K;
-              if (aborted || ib >= hi) break;
-              issue();
-              absorb();
-            }
-          }
-        }
-      } else if (SPRNN_PROBE_MODE != 1) {
+      if (SPRNN_PROBE_MODE != 1) {
         if (half_warps)
           compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
                                                              nu * G, wreg, acc_s);
