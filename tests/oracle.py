@@ -65,6 +65,25 @@ def nan_reach(mask, cell, steps, unit, t0):
     return want
 
 
+def with_nan(p, cell, b, unit=5, t0=1):
+    """Problem p's xp with one NaN input (sequence b, the first gate of `unit`, step t0), and
+    where that NaN must show in ys: (steps, batch, H) bool, nan_reach in sequence b."""
+    xp = np.asarray(p["xp"]).copy()
+    xp[t0, b, unit] = np.nan
+    steps, batch = xp.shape[:2]
+    want = np.zeros((steps, batch, p["mask"].shape[0]), bool)
+    want[:, b] = nan_reach(p["mask"], cell, steps, unit, t0)
+    assert want[-1, b].sum() > 1, "the NaN should have spread"
+    return xp, want
+
+
+def others_error(ys, p, xp, cell, b, activation) -> float:
+    """rel_error of ys against `run` in every sequence but b (the one with with_nan's NaN)."""
+    ref_ys, _ = run(cell, xp, p["carry"], p["kernel"], None, p["b_hn"], False, activation)
+    others = np.arange(xp.shape[1]) != b
+    return rel_error(np.asarray(ys, np.float64)[:, others], ref_ys[:, others])
+
+
 def rel_error(out, ref) -> float:
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
