@@ -10,7 +10,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DSPRNN_STEP_PROBE -Icsrc benchmarks/step_probe.cu -o step_probe
 //   ./step_probe rnn:1152:0.1:512:132:0 lstm:1024:0.1:512:132:0 ...
 // Each argument:
-//   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep[:regw[:fw]]]]]]]]],
+//   cell:H:density:threads:blocks:mode[:filter[:spin_ns[:row_lanes[:xbuf_kb[:bank[:wcap_pct[:deep[:regw[:fw[:mma]]]]]]]]]],
 // cell: rnn (ReLU, its own build: sign-tagged words), rnn-tagged (ReLU in the tanh/relu build,
 // tagged words) or lstm. B = 4 (one tile), T = 256, fp16, filter = Params::col_filter
 // (default 0; only tiles of 16+ are built with it), row_lanes = Params::row_lanes (0 = the
@@ -22,7 +22,8 @@
 // and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
 // build (kernel_core.cuh gather_words), regw = 1 the register-weights build (kRegWeights; with
 // deep = 1 the deep one, which the package builds for ReLU only), with fw = 1 its float-words
-// build (RowWord).
+// build (RowWord); mma = 24 or 32 the tensor-core rows build for that many rows per block
+// (mma_rows.cuh).
 // Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
@@ -52,16 +53,16 @@ constexpr int kBT = 4, kB = 4, kT = 256;
 struct Config {
   std::string cell;
   int H = 1152, threads = 512, blocks = 132, mode = 0, filter = 0, spin_ns = 0, row_lanes = 0, xbuf_kb = 0,
-      bank = 1, wcap_pct = 0, deep = 0, regw = 0, fw = 0;
+      bank = 1, wcap_pct = 0, deep = 0, regw = 0, fw = 0, mma = 0;
   double density = 0.1;
 };
 
 Config parse(const char* s) {
   Config c;
   char cell[16];
-  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density,
+  if (std::sscanf(s, "%15[^:]:%d:%lf:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d:%d", cell, &c.H, &c.density,
                   &c.threads, &c.blocks, &c.mode, &c.filter, &c.spin_ns, &c.row_lanes, &c.xbuf_kb,
-                  &c.bank, &c.wcap_pct, &c.deep, &c.regw, &c.fw) < 6) {
+                  &c.bank, &c.wcap_pct, &c.deep, &c.regw, &c.fw, &c.mma) < 6) {
     std::fprintf(stderr, "bad config %s (cell:H:density:threads:blocks:mode)\n", s);
     std::exit(2);
   }
@@ -184,13 +185,14 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.u_cap = split.u_cap;
   const long long avail = smem_optin - 256;
   const int w_bytes = c.regw && c.fw ? 8 : 4;
-  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, w_bytes);
+  const int h_units = c.mma ? mma_h_stride(H) : 0;
+  const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, w_bytes, 1, 0, h_units);
   p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / w_bytes, 1LL << 30));
   // wcap_pct > 0: room for that percentage of a block's average nonzeros only, and the shared
   // memory carve-out no larger than needed, so the rest of the SM's 256 KB is L1 (where the
   // 1024-thread build's register spills can stay).
   if (c.wcap_pct > 0) p.w_cap = static_cast<int>(std::min<long long>(p.w_cap, nnz / nb * c.wcap_pct / 100));
-  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, w_bytes).total;
+  const long long smem = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, p.w_cap, 2, w_bytes, 1, 0, h_units).total;
   p.timeout_ns = 5000000000LL;
   p.col_filter = c.filter;
   p.spin_ns = c.spin_ns;
@@ -227,7 +229,9 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.counters = reinterpret_cast<unsigned int*>(ws + 256);
   p.xbuf = ws + 512 + 1024ull * c.xbuf_kb;
 
-  auto fn = c.deep && c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, true, kRegWeights>
+  auto fn = c.mma == 24 ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, 0, false, 24>
+            : c.mma == 32 ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, 0, false, 32>
+            : c.deep && c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, true, kRegWeights>
             : c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
             : c.regw && c.fw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights, true>
             : c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights>
@@ -337,11 +341,11 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       h.swap(hn);
     }
   }
-  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d regw=%d fw=%d nnz=%lld smem=%lld | %.3f us/step | "
+  std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d regw=%d fw=%d mma=%d nnz=%lld smem=%lld | %.3f us/step | "
               "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
               "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | sm %.2f GHz | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
-              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, c.regw, c.fw, nnz, smem, us_step,
+              c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, c.regw, c.fw, c.mma, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
               pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), sm_ghz, err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");

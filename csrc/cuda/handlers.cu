@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
 #include <mutex>
@@ -89,6 +90,7 @@ struct Plan {
   bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
   bool reg_weights = false;  // the tile-4 build with each lane's first weights in registers
   bool float_words = false;  // its shared-memory nonzeros as 8-byte float words (RowWord)
+  bool mma = false;          // the tensor-core rows build (mma_rows.cuh, kMmaRows per block)
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
   std::string reason;  // why the plan is not the fast persistent one (empty if it is)
@@ -142,11 +144,13 @@ void partition_units(long long H, long long nnz, int parts, Plan& pl) {
 
 // Sizes plan c's shared memory for batch tile bt over ntiles tiles (c.u_cap, c.w_need set):
 // false when the h tile, state and row offsets leave no room for weights.
-bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, long long avail) {
+// h_units > 0: the h tile holds that many units per batch column (the mma build's).
+bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, long long avail,
+              int h_units = 0) {
   const bool lstm = gates == 4;
   const int w_bytes = w_bytes_of(dtype, c.float_words);
   const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap, 0,
-                                    s_bytes_of(dtype), w_bytes);
+                                    s_bytes_of(dtype), w_bytes, 1, 0, h_units);
   // The weight region must hold the row offsets of the largest possible block.
   const long long rows_bytes = align16((static_cast<long long>(c.u_cap) * gates + 1) * 4);
   if (l0.total + rows_bytes > avail) return false;
@@ -155,7 +159,7 @@ bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, lo
   c.w_cap = std::min<long long>((avail - l0.total) / w_bytes, 1LL << 30);
   c.on_chip = c.w_cap >= c.w_need;
   c.smem = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap,
-                       static_cast<int>(c.w_cap), s_bytes_of(dtype), w_bytes).total;
+                       static_cast<int>(c.w_cap), s_bytes_of(dtype), w_bytes, 1, 0, h_units).total;
   c.persistent = true;
   return true;
 }
@@ -191,8 +195,9 @@ bool grouped_plan(const Plan& base, int groups, int gates, int dtype, long long 
 }
 
 // The grid-wide plan (variants 0-4: persistent_fwd or the per-step fallback).
+// allow_mma = false: never the tensor-core rows (forward's rerun of a call they cannot run).
 Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-                    const DeviceInfo& dev, bool relu) {
+                    const DeviceInfo& dev, bool relu, bool allow_mma = true) {
   Plan pl;
   pl.variant = variant < 0 ? kLamport : variant;
   if (pl.variant > kStepLoop) pl.variant = kLamport;
@@ -358,6 +363,37 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       best = c;
     }
   }
+  // Tensor-core rows (mma_rows.cuh): a block's rows as a dense 16-bit tile whose mma.sync A
+  // fragments stay in registers, so that the rows cost the same at any density and win on
+  // dense layers only. Step probe, fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30%
+  // 2.65 / 2.30, 50% 3.33 / 2.63, 20% 2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152 10% 1.53 / 1.89
+  // (benchmarks/NOTES.md, session 30). The default takes them for ReLU layers of density >= 25%
+  // whose blocks average 17-22 rows (two 16-row tiles: the measured case; the build takes up
+  // to kMmaRows). They need sm_80 (mma.sync), the Lamport variant, one batch tile of 4 and the
+  // sync check: a call whose h turns inf or NaN, or whose block rows do not fit the build, is
+  // rerun on the sparse rows (forward). SPRNN_CUDA_MMA=0/1 forces them off/on (where they fit).
+  if (allow_mma && relu && gates == 1 && dtype != 0 && dev.cc_major >= 8 && best.persistent &&
+      best.wide && best.lamport && best.bt == 4 && best.ntiles == 1 && best.groups == 1 &&
+      env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0 && env_int("SPRNN_CUDA_W_CAP", -1) < 0) {
+    const long long knob = env_int("SPRNN_CUDA_MMA", -1);
+    constexpr int kWarps = kPersistentThreads / 32;
+    const long long avg_rows = (H + best.nb - 1) / best.nb;
+    const int rows = static_cast<int>(std::min<long long>(avg_rows + 2, kMmaRows));
+    Plan c = best;
+    c.mma = true;
+    c.deep_gather = c.reg_weights = c.float_words = false;
+    c.threads = kPersistentThreads;
+    const bool fits =
+        mma_fits(kMmaRows, static_cast<int>(avg_rows), static_cast<int>(H), kWarps) &&
+        fit_tile(c, 4, 1, gates, dtype, H, avail, mma_h_stride(static_cast<int>(H))) &&
+        (c.w_cap - align16((rows + 1) * 4) / 4) * 4 >=
+            mma_region_bytes(kMmaRows, rows, static_cast<int>(H), kWarps);
+    const bool dense = 4 * nnz >= H * H && avg_rows > 16 && avg_rows <= 22;
+    if (fits && (knob == 1 || (knob < 0 && dense))) {
+      c.on_chip = true;
+      best = c;
+    }
+  }
   // SPRNN_CUDA_W_CAP (tests): at most this many words of nonzeros and row offsets per block on
   // chip, so that the rows past them run from L2 in any build (kernel_core.cuh row_dot).
   if (const long long cap = env_int("SPRNN_CUDA_W_CAP", -1); cap >= 0 && best.persistent) {
@@ -438,18 +474,18 @@ Plan make_cluster_plan(int gates, int dtype, long long H, long long B, long long
 // (benchmarks/NOTES.md). SPRNN_CUDA_CLUSTER: the largest cluster size to plan for.
 // relu: an rnn layer with ReLU (its deep-gather build has a register-weights build too).
 Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, int variant,
-               const DeviceInfo& dev, bool relu) {
+               const DeviceInfo& dev, bool relu, bool allow_mma = true) {
   if (variant == kCluster) {
     const long long knob = env_int("SPRNN_CUDA_CLUSTER", dev.max_cluster);
     const int csize = static_cast<int>(std::clamp<long long>(knob, 0, dev.max_cluster));
     Plan c = make_cluster_plan(gates, dtype, H, B, nnz, csize, dev);
     if (c.persistent) return c;
-    Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev, relu);
+    Plan g = make_grid_plan(gates, dtype, H, B, nnz, kLamport, dev, relu, allow_mma);
     g.reason = "variant 5 (clusters) does not apply: " + c.reason + "; running variant 3" +
                (g.reason.empty() ? "" : " (" + g.reason + ")");
     return g;
   }
-  return make_grid_plan(gates, dtype, H, B, nnz, variant, dev, relu);
+  return make_grid_plan(gates, dtype, H, B, nnz, variant, dev, relu, allow_mma);
 }
 
 // Raises a kernel's dynamic shared-memory limit once (per device is not needed: the attribute is
@@ -497,13 +533,13 @@ KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl, bool relu) {
   switch (cell) {
     case Cell::kLstm:
       return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words, false);
+                                 pl.float_words, false, false);
     case Cell::kGru:
       return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words, false);
+                                 pl.float_words, false, false);
     default:
       return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words, relu);
+                                 pl.float_words, pl.mma, relu);
   }
 }
 
@@ -715,69 +751,88 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = row_lanes_knob();
 
-  // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
-  if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
-    return cuda_error(target, "cudaMemsetAsync(workspace)", e);
+  // Run the plan; one rerun without the tensor-core rows where they stop (flags 4 and 5).
+  for (;;) {
+    // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
+    if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
+      return cuda_error(target, "cudaMemsetAsync(workspace)", e);
 
-  bool launched = false;
-  // The cluster plan, re-planned for a smaller cluster (or the grid plan) when this kernel
-  // cannot launch the planned one here.
-  for (int attempt = 0; pl.persistent && pl.cluster > 0 && !launched && attempt < 3; ++attempt) {
-    int max_ok = 0;
-    if (cudaError_t e = launch_cluster(cell, dtype, pl, p, stream, launched, max_ok);
-        e != cudaSuccess)
-      return cuda_error(target, "cluster launch of the persistent kernel", e);
-    if (!launched) {
-      DeviceInfo d = info;
-      d.max_cluster = attempt < 2 ? std::min(max_ok, pl.cluster - 1) : 0;
-      pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), d, activation != 0);
-    }
-  }
-  if (!launched && pl.persistent && pl.cluster == 0) {
-    KernelFn fn = pick_persistent(cell, dtype, pl, p.activation != 0);
-    int occ = 0;
-    cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
-    if (e == cudaSuccess) e = blocks_per_sm(dev, fn, pl.threads, pl.smem, occ);
-    if (e == cudaSuccess && occ >= 1) {
-      p = with_plan(p, pl);
-      void* args[] = {&p};
-      e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(pl.nb),
-                                      dim3(pl.threads), args, static_cast<size_t>(pl.smem),
-                                      stream);
-      if (e == cudaSuccess) {
-        launched = true;
-      } else if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorLaunchOutOfResources) {
-        return cuda_error(target, "cooperative launch of the persistent kernel", e);
+    bool launched = false;
+    // The cluster plan, re-planned for a smaller cluster (or the grid plan) when this kernel
+    // cannot launch the planned one here.
+    for (int attempt = 0; pl.persistent && pl.cluster > 0 && !launched && attempt < 3; ++attempt) {
+      int max_ok = 0;
+      if (cudaError_t e = launch_cluster(cell, dtype, pl, p, stream, launched, max_ok);
+          e != cudaSuccess)
+        return cuda_error(target, "cluster launch of the persistent kernel", e);
+      if (!launched) {
+        DeviceInfo d = info;
+        d.max_cluster = attempt < 2 ? std::min(max_ok, pl.cluster - 1) : 0;
+        pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), d, activation != 0);
       }
     }
-    if (!launched) cudaGetLastError();  // clear a recoverable launch error; fall back below
-  }
-  if (!launched) {
-    float* hbuf = reinterpret_cast<float*>(p.xbuf);
-    float* cbuf = hbuf + 2 * B * H;
-    if (cudaError_t e = run_steps(cell, dtype, p, hbuf, cbuf, stream); e != cudaSuccess)
-      return cuda_error(target, "per-step fallback launch", e);
-  }
+    if (!launched && pl.persistent && pl.cluster == 0) {
+      KernelFn fn = pick_persistent(cell, dtype, pl, p.activation != 0);
+      int occ = 0;
+      cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
+      if (e == cudaSuccess) e = blocks_per_sm(dev, fn, pl.threads, pl.smem, occ);
+      if (e == cudaSuccess && occ >= 1) {
+        p = with_plan(p, pl);
+        void* args[] = {&p};
+        e = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fn), dim3(pl.nb),
+                                        dim3(pl.threads), args, static_cast<size_t>(pl.smem),
+                                        stream);
+        if (e == cudaSuccess) {
+          launched = true;
+        } else if (e != cudaErrorCooperativeLaunchTooLarge && e != cudaErrorLaunchOutOfResources) {
+          return cuda_error(target, "cooperative launch of the persistent kernel", e);
+        }
+      }
+      if (!launched) cudaGetLastError();  // clear a recoverable launch error; fall back below
+    }
+    if (!launched) {
+      float* hbuf = reinterpret_cast<float*>(p.xbuf);
+      float* cbuf = hbuf + 2 * B * H;
+      if (cudaError_t e = run_steps(cell, dtype, p, hbuf, cbuf, stream); e != cudaSuccess)
+        return cuda_error(target, "per-step fallback launch", e);
+    }
 
-  // Turn a timed-out wait into an error for the caller (sync_check.cuh).
-  if (env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0) {
-    int flag = 0;
-    if (cudaError_t e = sync_and_read_abort_flag(p.abort_flag, stream, flag); e != cudaSuccess)
-      return cuda_error(target, "kernel execution or its abort-flag check", e);
-    if (flag != 0)
-      return ffi::Error::Internal(
-          std::string(target) +
-          (flag == 1
-               ? ": the sparse persistent kernel timed out waiting for other blocks (flag 1); "
-                 "its blocks were probably not co-resident. Outputs are invalid. Set "
-                 "SPRNN_CUDA_TIMEOUT_MS to change the limit or pass variant=4 for the per-step "
-                 "path."
-               : ": the sparse persistent kernel aborted (flag " + std::to_string(flag) +
-                     ": 2 = a block's units exceed the planned capacity, 3 = the cluster kernel "
-                     "ran without sm_90 code). Outputs are invalid; pass variant=4 for the "
-                     "per-step path."));
+    // Turn a timed-out wait into an error for the caller (sync_check.cuh).
+    if (env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0) {
+      int flag = 0;
+      if (cudaError_t e = sync_and_read_abort_flag(p.abort_flag, stream, flag); e != cudaSuccess)
+        return cuda_error(target, "kernel execution or its abort-flag check", e);
+      if ((flag == 4 || flag == 5) && pl.mma) {
+        // The tensor-core rows met inf or NaN in h (flag 4) or a block with more rows than
+        // their build (5): the call runs again on the sparse rows, which are exact there.
+        static std::once_flag warned;
+        std::call_once(warned, [flag] {
+          std::fprintf(stderr,
+                       "jax_sprnn: a call planned on the tensor-core rows ran again on the sparse "
+                       "rows (%s); later such calls do so silently. SPRNN_CUDA_MMA=0 plans the "
+                       "sparse rows from the start.\n",
+                       flag == 4 ? "its hidden state became inf or NaN"
+                                 : "a block of its pattern has more rows than the build takes");
+        });
+        pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info, activation != 0,
+                       false);
+        continue;
+      }
+      if (flag != 0)
+        return ffi::Error::Internal(
+            std::string(target) +
+            (flag == 1
+                 ? ": the sparse persistent kernel timed out waiting for other blocks (flag 1); "
+                   "its blocks were probably not co-resident. Outputs are invalid. Set "
+                   "SPRNN_CUDA_TIMEOUT_MS to change the limit or pass variant=4 for the per-step "
+                   "path."
+                 : ": the sparse persistent kernel aborted (flag " + std::to_string(flag) +
+                       ": 2 = a block's units exceed the planned capacity, 3 = the cluster kernel "
+                       "ran without sm_90 code). Outputs are invalid; pass variant=4 for the "
+                       "per-step path."));
+    }
+    return ffi::Error::Success();
   }
-  return ffi::Error::Success();
 }
 
 // The workspace is the extra result the CUDA lowering appends (docs/INTERFACE.md). A direct
@@ -919,6 +974,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["deep_gather"] = pl.deep_gather;
   r["reg_weights"] = pl.reg_weights;
   r["float_words"] = pl.float_words;
+  r["mma"] = pl.mma;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
   r["units_cap"] = pl.u_cap;

@@ -69,7 +69,7 @@ struct Params {
   void* cs;               // (T, B, H) lstm
   void* xbuf;             // exchange: 2 slots x ntiles x exchange_units(H) x BT words
   unsigned int* counters; // barrier mode: one per batch tile
-  int* abort_flag;        // 0 = ok; 1 = a wait timed out
+  int* abort_flag;        // 0 = ok; 1 = a wait timed out; 2-5: handlers.cu forward
   int T, B, H, ntiles;
   int activation;         // rnn: 0 tanh, 1 relu
   int reverse;
@@ -538,12 +538,14 @@ struct SmemLayout {
 
 __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G, bool lstm,
                                                   int u_cap, int w_cap, int s_bytes, int w_bytes,
-                                                  int h_slots = 1, int row_words = 0) {
+                                                  int h_slots = 1, int row_words = 0,
+                                                  int h_units = 0) {
   SmemLayout l;
   l.h_off = 0;
   // (The gather's last chunk of several units stays inside: its values take at most 16 bytes,
-  // a power of two, so it ends by the 16-byte alignment; chunk_units.)
-  l.h_stride = align16(static_cast<long long>(H) * BT * s_bytes);
+  // a power of two, so it ends by the 16-byte alignment; chunk_units. h_units > 0: the h tile
+  // holds that many units per batch column, the mma build's padded rows.)
+  l.h_stride = align16(static_cast<long long>(h_units > 0 ? h_units : H) * BT * s_bytes);
   l.acc_off = h_slots * l.h_stride;
   l.hst_off = l.acc_off + align16(static_cast<long long>(u_cap) * G * BT * 4);
   l.cst_off = l.hst_off + align16(static_cast<long long>(u_cap) * bpad * 4);
@@ -1156,6 +1158,23 @@ __device__ __forceinline__ void write_tail(const Params& p, int u0, int nu, int 
 #endif
 constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 
+}  // namespace cuda
+}  // namespace sprnn
+#include "cuda/mma_rows.cuh"  // (needs Params, Tr and kPersistentThreads above)
+namespace sprnn {
+namespace cuda {
+
+// One gathered chunk of N values into the h tile: store_h, or the mma build's batch-major tile
+// of hs units per batch column (which flags non-finite values: store_h_t).
+template <DType D, int BT, int N, bool kWide, bool kBatchMajor>
+__device__ __forceinline__ void store_tile(typename Tr<D>::S* h_s, int H, int hs, int item,
+                                           const uint32_t* bits, uint32_t& nonfinite) {
+  if constexpr (kBatchMajor)
+    store_h_t<D, BT, N>(reinterpret_cast<uint16_t*>(h_s), hs, item, bits, nonfinite);
+  else
+    store_h<typename Tr<D>::S, BT, N, kWide>(h_s, H, item, bits);
+}
+
 // Threads per CTA the cluster kernel (cluster_kernel.cuh) is built for: tiles of 16 run 512
 // threads with up to 128 registers, smaller tiles 1024.
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
@@ -1163,7 +1182,7 @@ __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru. kDeepGather, kRegW and
 // kFloatWords select the builds of gather_words, kRegWeights and RowWord.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0,
-          bool kFloatWords = false>
+          bool kFloatWords = false, int kMma = 0>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -1234,8 +1253,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     if (tid == 0) atomicExch(p.abort_flag, 2);
     return;
   }
+  static_assert(kMma == 0 || (D != DType::kF32 && kWide && BT % 2 == 0 && kRegW == 0), "mma build");
+  const int hs = kMma > 0 ? mma_h_stride(H) : H;  // the mma build's batch-major h tile
   const SmemLayout L = smem_layout(H, BT, bpad, G, kLstmCell, p.u_cap, p.w_cap,
-                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)));
+                                   static_cast<int>(sizeof(S)), static_cast<int>(sizeof(W)), 1, 0,
+                                   kMma > 0 ? hs : 0);
   S* h_s = reinterpret_cast<S*>(smem + L.h_off);
   uint32_t* cmask = reinterpret_cast<uint32_t*>(smem + L.m_off);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc_off);
@@ -1261,7 +1283,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-  load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
+  if constexpr (kMma == 0) load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
@@ -1270,6 +1292,22 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   __syncthreads();
   // (cmask is first read after step 0's gather barrier.)
   if (filter && nu > 0) mark_columns(p, G, kb0, kb1, nb, cmask);
+
+  // The mma build's A fragments, from a dense tile in the weight region (which then holds the
+  // warps' partial sums); its h tile is zeroed once (the units past H stay zero).
+  MmaRegs<kMma> areg;
+  float* mma_part = reinterpret_cast<float*>(w_s);
+  if constexpr (kMma > 0) {
+    if (!mma_fits(kMma, nu * G, H, nthr >> 5) ||
+        w_room * static_cast<long long>(sizeof(W)) < mma_region_bytes(kMma, nu * G, H, nthr >> 5)) {
+      if (tid == 0) atomicExch(p.abort_flag, 5);  // the host reruns the call (handlers.cu)
+      return;
+    }
+    for (int i = tid; i < BT * hs / 2; i += nthr) reinterpret_cast<uint32_t*>(h_s)[i] = 0u;
+    mma_load_regs<D, kMma>(p, kb0, rows_s, nu * G, reinterpret_cast<uint16_t*>(w_s), areg);
+  }
+  MmaStep mma{};
+  if constexpr (kMma > 0) mma = mma_step<kMma>(reinterpret_cast<const uint16_t*>(h_s), H, nu * G, BT, mma_part);
 
   const int npairs = nu * BT;
   const bool half_warps = two_rows_per_warp(nu * G, nthr >> 5, p.row_lanes);
@@ -1319,6 +1357,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
       bool aborted = false;
+      uint32_t nonfinite = 0u;  // (the mma build: store_h_t)
       if (s == 0) {
         for (int it = tid; it < H * kRPU; it += nthr) {
           const int u = it / kRPU, c0 = (it % kRPU) * kRW;
@@ -1328,7 +1367,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
             const int b = j * BT + c0 + i;
             bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
           }
-          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
+          store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits, nonfinite);
         }
       } else if (!p.lamport) {
         if (tid == 0) {
@@ -1371,7 +1410,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               }
             }
           }
-          store_h<S, BT, kRW, kWide>(h_s, H, it, bits);
+          store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits, nonfinite);
         }
       } else {
         const X tag = XW::tag_word(s - 1);
@@ -1408,7 +1447,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
                 uint32_t bits[kCV];
 #pragma unroll
                 for (int q = 0; q < kCV; ++q) bits[q] = XW::value(w[i][q / XW::kVals], q % XW::kVals);
-                store_h<S, BT, kCV, kWide>(h_s, H, ib + i * nthr, bits);
+                store_tile<D, BT, kCV, kWide, (kMma > 0)>(h_s, H, hs, ib + i * nthr, bits, nonfinite);
                 pending &= ~(1u << i);
               }
             }
@@ -1419,11 +1458,18 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           }
         }
       }
-      if (__syncthreads_or(aborted)) return;
+      if (__syncthreads_or(aborted || nonfinite != 0u)) {
+        // Flag 4: the mma build met inf or NaN in h; the host reruns the call (handlers.cu).
+        if (kMma > 0 && !__syncthreads_or(aborted) && tid == 0) atomicCAS(p.abort_flag, 0, 4);
+        return;
+      }
       SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).
-      if (SPRNN_PROBE_MODE != 1) {
+      if constexpr (kMma > 0) {
+        if (SPRNN_PROBE_MODE != 1)
+          mma_rows<D, BT, kMma>(mma, nu * G, areg, mma_part, acc_s);
+      } else if (SPRNN_PROBE_MODE != 1) {
         if (half_warps)
           compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
                                                              nu * G, wreg, acc_s);

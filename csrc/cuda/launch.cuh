@@ -33,15 +33,20 @@ auto by_dtype(int dtype, F&& f) {
 // elsewhere are ignored (deep wins, but for 16-bit ReLU layers, whose deep gather holds no more
 // registers than the others' default one: two units per chunk, kernel_core.cuh chunk_units;
 // 16-bit float words only beside the register weights). Float32 wide builds always have float
-// words (the plan says so).
+// words (the plan says so). The tensor-core rows build (mma_rows.cuh, kMmaRows per block) exists
+// for 16-bit ReLU layers at tile 4 only (the tanh build spilled 36 bytes with it, ptxas sm_90);
+// `mma` elsewhere is ignored.
 template <Cell C, DType D>
-KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw) {
+KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw, bool mma) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
   constexpr bool kFW = D == DType::kF32;
   switch (bt) {
     case 1: return &persistent_fwd<C, D, 1, true, false, 0, kFW>;
     case 2: return &persistent_fwd<C, D, 2, true, false, 0, kFW>;
     case 4:
+      if constexpr (C == Cell::kRnnRelu && D != DType::kF32) {
+        if (mma) return &persistent_fwd<C, D, 4, true, false, 0, false, kMmaRows>;
+      }
       if constexpr (C == Cell::kRnnRelu && D != DType::kF32) {
         if (deep && reg) return &persistent_fwd<C, D, 4, true, true, kRegWeights>;
       }
@@ -94,7 +99,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
 // kernel_core.cuh XWord); the other cells ignore it.
 #define SPRNN_CELL_ENTRY(name)                                                            \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,      \
-                                  bool fw, bool relu);                                    \
+                                  bool fw, bool mma, bool relu);                          \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
                                cudaStream_t s);
@@ -106,13 +111,13 @@ SPRNN_CELL_ENTRY(gru)
 // The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
 #define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,    \
-                                  bool fw, bool relu) {                                  \
+                                  bool fw, bool mma, bool relu) {                        \
     return by_dtype(dtype, [&](auto d) {                                                 \
       if constexpr (C == Cell::kRnnTanh) {                                               \
         if (relu && wide)                                                                \
-          return persistent_kernel<Cell::kRnnRelu, decltype(d)::value>(bt, wide, deep, reg, fw); \
+          return persistent_kernel<Cell::kRnnRelu, decltype(d)::value>(bt, wide, deep, reg, fw, mma); \
       }                                                                                  \
-      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, fw);          \
+      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, fw, mma);     \
     });                                                                                  \
   }                                                                                      \
   KernelFn pick_cluster_##name(int dtype, int bt) {                                      \
