@@ -673,6 +673,9 @@ bool has_shape(const ffi::AnyBuffer& b, const ffi::AnyBuffer& like,
   return true;
 }
 
+// Calls rerun on the sparse rows after the tensor-core rows stopped (forward; the tests read it).
+std::atomic<long long> g_mma_reruns{0};
+
 ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
 }
@@ -805,6 +808,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
       if ((flag == 4 || flag == 5) && pl.mma) {
         // The tensor-core rows met inf or NaN in h (flag 4) or a block with more rows than
         // their build (5): the call runs again on the sparse rows, which are exact there.
+        g_mma_reruns.fetch_add(1);
         static std::once_flag warned;
         std::call_once(warned, [flag] {
           std::fprintf(stderr,
@@ -1004,6 +1008,9 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("workspace_bytes", [](int gates, int dtype, long long H, long long B) {
     return sprnn::cuda::workspace_bytes(gates, dtype, H, B);
   }, py::arg("gates"), py::arg("dtype"), py::arg("hidden"), py::arg("batch"));
+  m.def("mma_reruns", []() { return sprnn::cuda::g_mma_reruns.load(); },
+        "Calls so far that ran again on the sparse rows after the tensor-core rows stopped "
+        "(a hidden state that became inf or NaN, or a block with more rows than their build).");
   m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
         py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
         py::arg("smem_optin") = 0, py::arg("cc_major") = 0, py::arg("max_cluster") = 0,
