@@ -39,6 +39,10 @@ int row_lanes_knob() {
   return static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_ROW_LANES", 0), 0, 32));
 }
 
+// SPRNN_CUDA_SYNC_CHECK: whether forward waits for each call and reads its abort flag, read by
+// forward and by the planner (the tensor-core rows need the wait to rerun a call).
+bool sync_check_on() { return env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0; }
+
 struct DeviceInfo {
   int sms = 0;
   int smem_optin = 0;  // bytes of shared memory one block may use
@@ -374,7 +378,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // so every call ran twice (3.23 us/step kernel against 2.60 sparse, session 31).
   if (allow_mma && relu && gates == 1 && dtype != 0 && dev.cc_major >= 8 && best.persistent &&
       best.wide && best.lamport && best.bt == 4 && best.ntiles == 1 && best.groups == 1 &&
-      env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0 && env_int("SPRNN_CUDA_W_CAP", -1) < 0 &&
+      sync_check_on() && env_int("SPRNN_CUDA_W_CAP", -1) < 0 &&
       env_int("SPRNN_CUDA_MMA", 0) == 1) {
     constexpr int kWarps = kPersistentThreads / 32;
     const long long avg_rows = (H + best.nb - 1) / best.nb;
@@ -800,7 +804,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     }
 
     // Turn a timed-out wait into an error for the caller (sync_check.cuh).
-    if (env_int("SPRNN_CUDA_SYNC_CHECK", 1) != 0) {
+    if (sync_check_on()) {
       int flag = 0;
       if (cudaError_t e = sync_and_read_abort_flag(p.abort_flag, stream, flag); e != cudaSuccess)
         return cuda_error(target, "kernel execution or its abort-flag check", e);

@@ -46,8 +46,6 @@ KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw, bool
     case 4:
       if constexpr (C == Cell::kRnnRelu && D != DType::kF32) {
         if (mma) return &persistent_fwd<C, D, 4, true, false, 0, false, kMmaRows>;
-      }
-      if constexpr (C == Cell::kRnnRelu && D != DType::kF32) {
         if (deep && reg) return &persistent_fwd<C, D, 4, true, true, kRegWeights>;
       }
       if (deep) return &persistent_fwd<C, D, 4, true, true, 0, kFW>;

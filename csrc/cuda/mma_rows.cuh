@@ -31,6 +31,10 @@ __host__ __device__ constexpr int mma_h_stride(int H) { return (mma_kpairs(H) * 
 // Pairs per warp (H <= 3072 at 512 threads) and how many of them stay in registers.
 __host__ __device__ constexpr int mma_pairs_per_warp() { return 6; }
 __host__ __device__ constexpr int mma_reg_pairs(int kRows) { return kRows > 24 ? 2 : 3; }
+// 32-bit A words per lane, pair and k-tile of the rows past 16 (rows 16-23 or 16-31), and per
+// lane and pair in all.
+__host__ __device__ constexpr int mma_t1_words(int kRows) { return kRows > 24 ? 4 : 2; }
+__host__ __device__ constexpr int mma_words(int kRows) { return 8 + 2 * mma_t1_words(kRows); }
 
 // Registers of the kMma build for at most kRows rows per block (24 or 32): per pair and k-tile,
 // tile 0's four A registers and tile 1's two (rows 16-23) or four (rows 16-31). Pairs per warp
@@ -41,15 +45,13 @@ template <int kRows>
 struct MmaRegs {
   static constexpr int kPairs = mma_reg_pairs(kRows);
   static constexpr int kExtra = mma_pairs_per_warp() - kPairs;
-  static constexpr int kT1 = kRows > 24 ? 4 : 2;
-  static constexpr int kWords = 8 + 2 * kT1;  // 32-bit A words per lane and pair
+  static constexpr int kT1 = mma_t1_words(kRows);
+  static constexpr int kWords = mma_words(kRows);
   uint32_t t0[kPairs][2][4];
   uint32_t t1[kPairs][2][kT1];
 };
 template <>
 struct MmaRegs<0> {};
-
-__host__ __device__ constexpr int mma_words(int kRows) { return 8 + 2 * (kRows > 24 ? 4 : 2); }
 
 // Whether a block of `rows` rows and `warps` warps fits the kMma build of kRows (the planner
 // and the kernel's guard).
