@@ -313,9 +313,9 @@ def test_deep_gather(cell, dtype, monkeypatch):
 def test_tensor_core_rows(dtype, monkeypatch):
     # The rows on the tensor cores (mma_rows.cuh; 16-bit ReLU layers, opt-in SPRNN_CUDA_MMA=1)
     # on every shape (H not a multiple of 32, density 0 and 1, T = 1; batches other than 3-4
-    # run other tiles without it). Calls that the build cannot run (a
-    # block of a skewed pattern over its 24 rows, inf or NaN in h) run again on the sparse rows:
-    # exact results, counted by mma_reruns; the others must not rerun.
+    # run other tiles without it). Calls that the build cannot run (a block of a skewed pattern
+    # over its 24 rows, inf or NaN in h) run again on the sparse rows: exact results, counted
+    # by mma_reruns; the others must not rerun.
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     reruns = _ffi.cuda_module.mma_reruns
