@@ -311,19 +311,19 @@ def test_deep_gather(cell, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tensor_core_rows(dtype, monkeypatch):
-    # The rows on the tensor cores (mma_rows.cuh; 16-bit ReLU layers, opt-in SPRNN_CUDA_MMA=1)
-    # on every shape (H not a multiple of 32, density 0 and 1, T = 1; batches other than 3-4
-    # run other tiles without it). Calls that the build cannot run (a block of a skewed pattern
-    # over its 24 rows, inf or NaN in h) run again on the sparse rows: exact results, counted
-    # by mma_reruns; the others must not rerun.
+    # The rows on the tensor cores (mma_rows.cuh; 16-bit ReLU layers): the default plan where it
+    # is picked, then forced on every shape (H not a multiple of 32, density 0 and 1, T = 1;
+    # batches other than 3-4 run other tiles without it). Calls that the build cannot run (a
+    # block of a skewed pattern over its 24 rows, inf or NaN in h) run again on the sparse rows:
+    # exact results, counted by mma_reruns; the others must not rerun.
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     reruns = _ffi.cuda_module.mma_reruns
-    monkeypatch.setenv("SPRNN_CUDA_MMA", "1")
     assert cuda_lowering.plan("rnn", jnp.dtype(dtype), 2304, 4, int(0.3 * 2304 * 2304),
                               activation="relu")["mma"]
     before = reruns()
     check("rnn", dtype, (5, 4, 2304, 0.3, "uniform"), 3, 1, activation="relu")
+    monkeypatch.setenv("SPRNN_CUDA_MMA", "1")
     for n, shape in enumerate(SHAPES + [(4, 3, 1000, 1.0, "uniform"), (6, 4, 2500, 0.5, "uniform"),
                                         (3, 4, 700, 0.6, "empty_rows")]):
         check("rnn", dtype, shape, 3, n, activation="relu")

@@ -371,15 +371,16 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // fragments stay in registers, so that the rows cost the same at any density and win on
   // dense layers only. Step probe, fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30%
   // 2.65 / 2.30, 50% 3.33 / 2.63, 20% 2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152 10% 1.53 / 1.89
-  // (benchmarks/NOTES.md, session 30). Opt-in (SPRNN_CUDA_MMA=1), for 16-bit ReLU layers on
-  // sm_80+ (mma.sync) at one batch tile of 4, Lamport variant, with the sync check: a call
-  // whose h turns inf or NaN, or whose block rows do not fit the build, is rerun on the sparse
-  // rows (forward). Not the default: the benchmark's ReLU H=2304 30% layer overflows to inf,
-  // so every call ran twice (3.23 us/step kernel against 2.60 sparse, session 31).
+  // (benchmarks/NOTES.md, session 30). The default takes them for ReLU layers of density >= 25%
+  // whose blocks average 17-22 rows (two 16-row tiles: the measured case; the build takes up
+  // to kMmaRows). They need sm_80 (mma.sync), the Lamport variant, one batch tile of 4 and the
+  // sync check: a call whose h turns inf or NaN, or whose block rows do not fit the build, is
+  // rerun on the sparse rows (forward), so a diverging layer costs both kernels (session 31:
+  // 3.23 us/step against 2.60 sparse). SPRNN_CUDA_MMA=0/1 forces them off/on (where they fit).
   if (allow_mma && relu && gates == 1 && dtype != 0 && dev.cc_major >= 8 && best.persistent &&
       best.wide && best.lamport && best.bt == 4 && best.ntiles == 1 && best.groups == 1 &&
-      sync_check_on() && env_int("SPRNN_CUDA_W_CAP", -1) < 0 &&
-      env_int("SPRNN_CUDA_MMA", 0) == 1) {
+      sync_check_on() && env_int("SPRNN_CUDA_W_CAP", -1) < 0) {
+    const long long knob = env_int("SPRNN_CUDA_MMA", -1);
     constexpr int kWarps = kPersistentThreads / 32;
     const long long avg_rows = (H + best.nb - 1) / best.nb;
     const int rows = static_cast<int>(std::min<long long>(avg_rows + 2, kMmaRows));
@@ -392,7 +393,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
         fit_tile(c, 4, 1, gates, dtype, H, avail, mma_h_stride(static_cast<int>(H))) &&
         (c.w_cap - align16((rows + 1) * 4) / 4) * 4 >=
             mma_region_bytes(kMmaRows, rows, static_cast<int>(H), kWarps);
-    if (fits) {
+    const bool dense = 4 * nnz >= H * H && avg_rows > 16 && avg_rows <= 22;
+    if (fits && (knob == 1 || (knob < 0 && dense))) {
       c.on_chip = true;
       best = c;
     }

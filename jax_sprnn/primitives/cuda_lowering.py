@@ -47,23 +47,23 @@ a 16-bit layer whose rows give each lane more than 4 nonzeros runs a build that 
 lane's first 8 weights of its first row in registers (``reg_weights``), and where the layer
 still fits on chip with 8 bytes per nonzero, that build keeps each nonzero in shared memory as
 its float32 value and the byte offset of its unit's h values (``float_words``: no unpacking in
-the row loop; float32 layers always store their nonzeros so). Opt-in with
-``SPRNN_CUDA_MMA=1``: on sm_80+, a 16-bit ReLU layer at a batch tile of 4 whose blocks hold at
-most 24 rows runs its rows on the tensor cores (``mma``: the block's rows as a dense tile whose
-``mma.sync`` fragments stay in registers, so a step costs the same at any density). Step probe,
-fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30% 2.65 / 2.30, 50% 3.33 / 2.63, 20%
-2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152 10% 1.53 / 1.89. It needs the sync check: a call
-whose hidden state becomes inf or NaN (a dense tile would multiply it by pruned zeros), or
-whose pattern gives a block more than 24 rows, runs again on the sparse rows, exactly (so it
-costs both), with a one-time message on stderr. The 16-bit
-cells use the hardware tanh (``tanh.approx.f32``, relative error about 2^-11, the rounding of a
-16-bit result) for tanh and sigmoid on sm_75+, and exp2 / reciprocal forms on sm_70;
-float32 uses CUDA's accurate expf / tanhf and a reciprocal refined by one Newton step in the
-sigmoid (about 1 ulp).
+the row loop; float32 layers always store their nonzeros so). On sm_80+, a 16-bit ReLU layer
+of density >= 25% whose blocks average 17-22 rows (H about 2100-2900 on 132 SMs) at a batch
+tile of 4 runs its rows on the tensor cores instead (``mma``: the block's rows as a dense tile
+whose ``mma.sync`` fragments stay in registers, so a step costs the same at any density). Step
+probe, fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30% 2.65 / 2.30, 50% 3.33 / 2.63,
+20% 2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152 10% 1.53 / 1.89. ``SPRNN_CUDA_MMA=0/1`` forces
+them off / on wherever the build fits. They need the sync check: a call whose hidden state
+becomes inf or NaN (a dense tile would multiply it by pruned zeros), or whose pattern gives a
+block more than 24 rows, runs again on the sparse rows, exactly (so a diverging layer costs
+both kernels), with a one-time message on stderr. The 16-bit cells use the hardware tanh
+(``tanh.approx.f32``, relative error about 2^-11, the rounding of a 16-bit result) for tanh
+and sigmoid on sm_75+, and exp2 / reciprocal forms on sm_70; float32 uses CUDA's accurate
+expf / tanhf and a reciprocal refined by one Newton step in the sigmoid (about 1 ulp).
 Run-time knobs read by the handler at each call (benchmarks): ``SPRNN_CUDA_BT`` (forced tile,
 no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_BLOCKS``, ``SPRNN_CUDA_THREADS`` (at most 512),
-``SPRNN_CUDA_MMA=1`` (tensor-core rows wherever they fit, above),
+``SPRNN_CUDA_MMA=0/1`` (tensor-core rows off / on wherever they fit, above),
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
 ``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
@@ -117,7 +117,7 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     twice the h bytes in flight per thread, for layers whose gather needs more),
     ``reg_weights`` (the tile-4 kernel with each lane's first weights in registers),
     ``float_words`` (nonzeros in shared memory as 8-byte float32 value + h offset), ``mma``
-    (the rows on the tensor cores, opt-in: see the module doc), ``blocks``,
+    (the rows on the tensor cores: dense 16-bit ReLU layers, see the module doc), ``blocks``,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
     """
