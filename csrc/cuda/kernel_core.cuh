@@ -1165,12 +1165,12 @@ namespace sprnn {
 namespace cuda {
 
 // One gathered chunk of N values into the h tile: store_h, or the mma build's batch-major tile
-// of hs units per batch column (which flags non-finite values: store_h_t).
+// of hs units per batch column (store_h_t).
 template <DType D, int BT, int N, bool kWide, bool kBatchMajor>
 __device__ __forceinline__ void store_tile(typename Tr<D>::S* h_s, int H, int hs, int item,
-                                           const uint32_t* bits, uint32_t& nonfinite) {
+                                           const uint32_t* bits) {
   if constexpr (kBatchMajor)
-    store_h_t<D, BT, N>(reinterpret_cast<uint16_t*>(h_s), hs, item, bits, nonfinite);
+    store_h_t<D, BT, N>(reinterpret_cast<uint16_t*>(h_s), hs, item, bits);
   else
     store_h<typename Tr<D>::S, BT, N, kWide>(h_s, H, item, bits);
 }
@@ -1357,7 +1357,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
       bool aborted = false;
-      uint32_t nonfinite = 0u;  // (the mma build: store_h_t)
+      bool nonfinite = false;  // inf or NaN in h0 (the mma build: nonfinite_bits)
       if (s == 0) {
         for (int it = tid; it < H * kRPU; it += nthr) {
           const int u = it / kRPU, c0 = (it % kRPU) * kRW;
@@ -1366,8 +1366,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           for (int i = 0; i < kRW; ++i) {
             const int b = j * BT + c0 + i;
             bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
+            if constexpr (kMma > 0) nonfinite = nonfinite || nonfinite_bits<D>(bits[i]);
           }
-          store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits, nonfinite);
+          store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits);
         }
       } else if (!p.lamport) {
         if (tid == 0) {
@@ -1410,7 +1411,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
               }
             }
           }
-          store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits, nonfinite);
+          store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits);
         }
       } else {
         const X tag = XW::tag_word(s - 1);
@@ -1447,7 +1448,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
                 uint32_t bits[kCV];
 #pragma unroll
                 for (int q = 0; q < kCV; ++q) bits[q] = XW::value(w[i][q / XW::kVals], q % XW::kVals);
-                store_tile<D, BT, kCV, kWide, (kMma > 0)>(h_s, H, hs, ib + i * nthr, bits, nonfinite);
+                store_tile<D, BT, kCV, kWide, (kMma > 0)>(h_s, H, hs, ib + i * nthr, bits);
                 pending &= ~(1u << i);
               }
             }
@@ -1458,8 +1459,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           }
         }
       }
-      if (__syncthreads_or(aborted || nonfinite != 0u)) {
-        // Flag 4: the mma build met inf or NaN in h; the host reruns the call (handlers.cu).
+      if (__syncthreads_or(aborted || nonfinite)) {
+        // Flag 4: the mma build met inf or NaN in h0; the host reruns the call (handlers.cu).
         if (kMma > 0 && !__syncthreads_or(aborted) && tid == 0) atomicCAS(p.abort_flag, 0, 4);
         return;
       }
@@ -1493,7 +1494,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         // h_s of this tile and step (Lamport: value + tag word; barrier mode: raw value).
         const long long xo = first ? xo0 : tile_off + static_cast<long long>(u0 + ul) * BT + bt;
         if (p.lamport) {
-          st_relaxed(static_cast<P*>(p.xbuf) + xo, XW::publish(T::f_to_bits(hnew), s));
+          const uint32_t bits = T::f_to_bits(hnew);
+          st_relaxed(static_cast<P*>(p.xbuf) + xo, XW::publish(bits, s));
+          // The mma build: an inf or NaN h stops the call for the host's rerun (nonfinite_bits;
+          // the other blocks see the flag in their next long wait, or finish the call).
+          if constexpr (kMma > 0)
+            if (nonfinite_bits<D>(bits)) atomicCAS(p.abort_flag, 0, 4);
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
