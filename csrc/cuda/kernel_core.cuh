@@ -1337,6 +1337,10 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   X* xtag = static_cast<X*>(p.xbuf);
   S* xraw = static_cast<S*>(p.xbuf);
 
+  // The mma build: whether this thread stored or made an inf or NaN h (nonfinite_bits). The
+  // call then runs to its end and raises flag 4 there, for the host's rerun: a flag per step
+  // lengthened the step (session 32).
+  bool saw_nonfinite = false;
   for (int s = 0; s < lmax; ++s) {
     for (int j = j_lo; j < j_hi; ++j) {
       const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * Hx) * BT;
@@ -1357,7 +1361,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
       bool aborted = false;
-      bool nonfinite = false;  // inf or NaN in h0 (the mma build: nonfinite_bits)
       if (s == 0) {
         for (int it = tid; it < H * kRPU; it += nthr) {
           const int u = it / kRPU, c0 = (it % kRPU) * kRW;
@@ -1366,7 +1369,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           for (int i = 0; i < kRW; ++i) {
             const int b = j * BT + c0 + i;
             bits[i] = b < B ? T::f_to_bits(T::to_f(static_cast<const S*>(p.h0)[static_cast<long long>(b) * H + u])) : 0u;
-            if constexpr (kMma > 0) nonfinite = nonfinite || nonfinite_bits<D>(bits[i]);
+            if constexpr (kMma > 0) saw_nonfinite = saw_nonfinite || nonfinite_bits<D>(bits[i]);
           }
           store_tile<D, BT, kRW, kWide, (kMma > 0)>(h_s, H, hs, it, bits);
         }
@@ -1459,11 +1462,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           }
         }
       }
-      if (__syncthreads_or(aborted || nonfinite)) {
-        // Flag 4: the mma build met inf or NaN in h0; the host reruns the call (handlers.cu).
-        if (kMma > 0 && !__syncthreads_or(aborted) && tid == 0) atomicCAS(p.abort_flag, 0, 4);
-        return;
-      }
+      if (__syncthreads_or(aborted)) return;
       SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).
@@ -1496,10 +1495,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         if (p.lamport) {
           const uint32_t bits = T::f_to_bits(hnew);
           st_relaxed(static_cast<P*>(p.xbuf) + xo, XW::publish(bits, s));
-          // The mma build: an inf or NaN h stops the call for the host's rerun (nonfinite_bits;
-          // the other blocks see the flag in their next long wait, or finish the call).
-          if constexpr (kMma > 0)
-            if (nonfinite_bits<D>(bits)) atomicCAS(p.abort_flag, 0, 4);
+          if constexpr (kMma > 0) saw_nonfinite = saw_nonfinite || nonfinite_bits<D>(bits);
         } else if constexpr (sizeof(S) == 4) {
           __stcg(reinterpret_cast<float*>(xraw) + xo, hnew);
         } else {
@@ -1524,6 +1520,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
     }
   }
 
+  // Flag 4: the mma build met inf or NaN in h; the host reruns the call (handlers.cu).
+  if constexpr (kMma > 0)
+    if (saw_nonfinite) atomicCAS(p.abort_flag, 0, 4);
   // Padding steps after the longest sequence, and the final carry of this block's columns
   // (hst/cst were written by the cell-update threads: barrier first).
   __syncthreads();

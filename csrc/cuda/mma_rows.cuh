@@ -81,10 +81,10 @@ __host__ __device__ constexpr long long mma_region_bytes(int kRows, int rows, in
 
 // Whether a 16-bit value's bits are inf or NaN (exponent all ones). A dense tile would multiply
 // such an h by the zeros of pruned weights (0 * inf = NaN where the sparse rows skip them), so
-// the mma build raises abort flag 4 where it stores one (h0) or publishes one (the update), and
-// the host reruns the call on the sparse rows (persistent_fwd, handlers.cu). Checked where h is
-// made, not where it is gathered: a check per gathered word cost the gather ~0.07 us/step (ReLU
-// H=2304 30%, step probe, session 32).
+// the mma build raises abort flag 4 at its end where it read one (h0) or made one (the update),
+// and the host reruns the call on the sparse rows (persistent_fwd, handlers.cu). Checked where h
+// is made, not where it is gathered: a check per gathered word cost the gather ~0.07 us/step
+// (ReLU H=2304 30%, step probe, session 32).
 template <DType D>
 __device__ __forceinline__ bool nonfinite_bits(uint32_t bits) {
   constexpr uint32_t kExp = D == DType::kBF16 ? 0x7f80u : 0x7c00u;
