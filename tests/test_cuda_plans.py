@@ -197,8 +197,8 @@ def test_w_cap_knob(monkeypatch):
 
 
 def test_tensor_core_row_plans(monkeypatch):
-    # The tensor-core rows (handlers.cu, mma_rows.cuh): 16-bit ReLU layers of density >= 25%
-    # whose blocks average 17-22 rows, batch tile 4, sm_80+, with the sync check on.
+    # The tensor-core rows (handlers.cu, mma_rows.cuh): 16-bit ReLU layers with >= 8.5K
+    # nonzeros per block whose blocks average 12-22 rows, batch tile 4, sm_80+, sync check on.
     def mma(H=2304, d=0.3, B=4, dtype=jnp.float16, activation="relu", **gpu):
         info = cuda_lowering.plan("rnn", dtype, H, B, nnz_of("rnn", H, d), variant=3,
                                   activation=activation, **dict(H200, **gpu))
@@ -209,7 +209,9 @@ def test_tensor_core_row_plans(monkeypatch):
 
     assert mma() and mma(dtype=jnp.bfloat16) and mma(H=2500, d=0.5) and mma(B=3)
     assert not mma(activation="tanh") and not mma(dtype=jnp.float32)
-    assert not mma(d=0.2) and not mma(H=1152) and not mma(H=3072)  # sparse or rows off range
+    assert mma(H=2048, d=0.5) and mma(H=1536, d=0.5)  # 16 and 12 rows per block
+    assert not mma(d=0.2) and not mma(H=1536) and not mma(H=1152, d=0.5)  # < 8.5K per block
+    assert not mma(H=1152, d=1.0) and not mma(H=3072)  # rows off range (9 and 24 per block)
     assert not mma(B=8) and not mma(B=2) and not mma(cc_major=7)
     assert not cuda_lowering.plan("lstm", jnp.float16, 1024, 4, nnz_of("lstm", 1024, 0.3),
                                   **H200)["mma"]

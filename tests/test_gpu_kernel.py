@@ -319,10 +319,11 @@ def test_tensor_core_rows(dtype, monkeypatch):
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     reruns = _ffi.cuda_module.mma_reruns
-    assert cuda_lowering.plan("rnn", jnp.dtype(dtype), 2304, 4, int(0.3 * 2304 * 2304),
-                              activation="relu")["mma"]
     before = reruns()
-    check("rnn", dtype, (5, 4, 2304, 0.3, "uniform"), 3, 1, activation="relu")
+    for H, d in ((2304, 0.3), (1536, 0.5)):  # two and one 16-row tiles per block
+        assert cuda_lowering.plan("rnn", jnp.dtype(dtype), H, 4, int(d * H * H),
+                                  activation="relu")["mma"]
+        check("rnn", dtype, (5, 4, H, d, "uniform"), 3, 1, activation="relu")
     monkeypatch.setenv("SPRNN_CUDA_MMA", "1")
     for n, shape in enumerate(SHAPES + [(4, 3, 1000, 1.0, "uniform"), (6, 4, 2500, 0.5, "uniform"),
                                         (3, 4, 700, 0.6, "empty_rows")]):

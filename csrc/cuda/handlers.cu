@@ -368,15 +368,18 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     }
   }
   // Tensor-core rows (mma_rows.cuh): a block's rows as a dense 16-bit tile whose mma.sync A
-  // fragments stay in registers, so that the rows cost the same at any density and win on
-  // dense layers only. Step probe, fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30%
-  // 2.65 / 2.30, 50% 3.33 / 2.63, 20% 2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152 10% 1.53 / 1.89
-  // (benchmarks/NOTES.md, session 30). The default takes them for ReLU layers of density >= 25%
-  // whose blocks average 17-22 rows (two 16-row tiles: the measured case; the build takes up
-  // to kMmaRows). They need sm_80 (mma.sync), the Lamport variant, one batch tile of 4 and the
-  // sync check: a call whose h turns inf or NaN, or whose block rows do not fit the build, is
-  // rerun on the sparse rows (forward), so a diverging layer costs both kernels (session 31:
-  // 3.23 us/step against 2.60 sparse). SPRNN_CUDA_MMA=0/1 forces them off/on (where they fit).
+  // fragments stay in registers. A step on them costs about the same at any density (the SMs
+  // drop to ~1.72 GHz while they issue mma); the sparse rows' cost grows with a block's
+  // nonzeros. Step probe, fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30% (12K nonzeros
+  // per block) 2.65 / 2.30, 50% 3.33 / 2.63, 20% (8K) 2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152
+  // 10% 1.53 / 1.89 (session 30); ReLU H=2048 30% (9.5K) 2.15 / 2.14, 50% 2.57 / 2.15, H=1536
+  // 50% (8.9K) 2.08 / 1.97, 30% (5.4K) 1.82 / 1.96, H=1152 50% (5K) 1.80 / 1.93 (session 32;
+  // benchmarks/NOTES.md). The default takes them from 8.5K nonzeros per block where blocks
+  // average 12-22 rows (the measured range; the build takes up to kMmaRows). They need sm_80
+  // (mma.sync), the Lamport variant, one batch tile of 4 and the sync check: a call whose h
+  // turns inf or NaN, or whose block rows do not fit the build, is rerun on the sparse rows
+  // (forward), so a diverging layer costs both kernels (session 31: 3.23 us/step against 2.60
+  // sparse). SPRNN_CUDA_MMA=0/1 forces them off/on (where they fit).
   if (allow_mma && relu && gates == 1 && dtype != 0 && dev.cc_major >= 8 && best.persistent &&
       best.wide && best.lamport && best.bt == 4 && best.ntiles == 1 && best.groups == 1 &&
       sync_check_on() && env_int("SPRNN_CUDA_W_CAP", -1) < 0) {
@@ -393,7 +396,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
         fit_tile(c, 4, 1, gates, dtype, H, avail, mma_h_stride(static_cast<int>(H))) &&
         (c.w_cap - align16((rows + 1) * 4) / 4) * 4 >=
             mma_region_bytes(kMmaRows, rows, static_cast<int>(H), kWarps);
-    const bool dense = 4 * nnz >= H * H && avg_rows > 16 && avg_rows <= 22;
+    const bool dense = nnz >= 8500LL * best.nb && avg_rows >= 12 && avg_rows <= 22;
     if (fits && (knob == 1 || (knob < 0 && dense))) {
       c.on_chip = true;
       best = c;

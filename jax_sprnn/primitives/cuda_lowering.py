@@ -48,11 +48,13 @@ lane's first 8 weights of its first row in registers (``reg_weights``), and wher
 still fits on chip with 8 bytes per nonzero, that build keeps each nonzero in shared memory as
 its float32 value and the byte offset of its unit's h values (``float_words``: no unpacking in
 the row loop; float32 layers always store their nonzeros so). On sm_80+, a 16-bit ReLU layer
-of density >= 25% whose blocks average 17-22 rows (H about 2100-2900 on 132 SMs) at a batch
-tile of 4 runs its rows on the tensor cores instead (``mma``: the block's rows as a dense tile
-whose ``mma.sync`` fragments stay in registers, so a step costs the same at any density). Step
-probe, fp16, B=4, us/step sparse / tensor-core: ReLU H=2304 30% 2.65 / 2.30, 50% 3.33 / 2.63,
-20% 2.33 / 2.28, 15% 2.16 / 2.28; ReLU H=1152 10% 1.53 / 1.89. ``SPRNN_CUDA_MMA=0/1`` forces
+at a batch tile of 4 with at least 8.5K nonzeros per block whose blocks average 12-22 rows (H
+about 1600-2900 on 132 SMs, from 50% density at H=1536 and 25% at H=2304) runs its rows on the
+tensor cores instead (``mma``: the block's rows as a dense tile whose ``mma.sync`` fragments
+stay in registers, so a step costs the same at any density). Step probe, fp16, B=4, us/step
+sparse / tensor-core: ReLU H=2304 30% 2.65 / 2.30, 50% 3.33 / 2.63, 20% 2.33 / 2.28, 15% 2.16 /
+2.28; H=2048 30% 2.15 / 2.14, 50% 2.57 / 2.15; H=1536 50% 2.08 / 1.97, 30% 1.82 / 1.96; H=1152
+50% 1.80 / 1.93, 10% 1.53 / 1.89. ``SPRNN_CUDA_MMA=0/1`` forces
 them off / on wherever the build fits. They need the sync check: a call whose hidden state
 becomes inf or NaN (a dense tile would multiply it by pruned zeros), or whose pattern gives a
 block more than 24 rows, runs again on the sparse rows, exactly (so a diverging layer costs
