@@ -54,11 +54,11 @@ tensor cores instead (``mma``: the block's rows as a dense tile whose ``mma.sync
 stay in registers, so a step costs the same at any density). Step probe, fp16, B=4, us/step
 sparse / tensor-core: ReLU H=2304 30% 2.65 / 2.30, 50% 3.33 / 2.63, 20% 2.33 / 2.28, 15% 2.16 /
 2.28; H=2048 30% 2.15 / 2.14, 50% 2.57 / 2.15; H=1536 50% 2.08 / 1.97, 30% 1.82 / 1.96; H=1152
-50% 1.80 / 1.93, 10% 1.53 / 1.89. ``SPRNN_CUDA_MMA=0/1`` forces
-them off / on wherever the build fits. They need the sync check: a call whose hidden state
-becomes inf or NaN (a dense tile would multiply it by pruned zeros), or whose pattern gives a
-block more than 24 rows, runs again on the sparse rows, exactly (so a diverging layer costs
-both kernels), with a one-time message on stderr. The 16-bit cells use the hardware tanh
+50% 1.80 / 1.93, 10% 1.53 / 1.89. ``SPRNN_CUDA_MMA=0/1`` forces them off / on wherever the
+build fits. They need the sync check: a call whose hidden state becomes inf or NaN (a dense
+tile would multiply it by pruned zeros), or whose pattern gives a block more than 24 rows, runs
+again on the sparse rows, exactly (so a diverging layer costs both kernels), with a one-time
+message on stderr. The 16-bit cells use the hardware tanh
 (``tanh.approx.f32``, relative error about 2^-11, the rounding of a 16-bit result) for tanh
 and sigmoid on sm_75+, and exp2 / reciprocal forms on sm_70; float32 uses CUDA's accurate
 expf / tanhf and a reciprocal refined by one Newton step in the sigmoid (about 1 ulp).
