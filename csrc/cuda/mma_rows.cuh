@@ -49,6 +49,29 @@ struct MmaRegs {
   static constexpr int kWords = mma_words(kRows);
   uint32_t t0[kPairs][2][4];
   uint32_t t1[kPairs][2][kT1];
+  // Pair i's words in fragment order (t0 of k-tiles 0, 1, then t1 of k-tiles 0, 1), the order
+  // of the pairs kept in shared memory. (i is a compile-time index of an unrolled loop; the
+  // clamp keeps the pairs past kPairs, which take the other branch, in range.)
+  __device__ __forceinline__ void put(int i, const uint32_t (&w)[kWords]) {
+    const int k = i < kPairs ? i : 0;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) t0[k][t][q] = w[4 * t + q];
+#pragma unroll
+      for (int q = 0; q < kT1; ++q) t1[k][t][q] = w[8 + kT1 * t + q];
+    }
+  }
+  __device__ __forceinline__ void get(int i, uint32_t (&w)[kWords]) const {
+    const int k = i < kPairs ? i : 0;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) w[4 * t + q] = t0[k][t][q];
+#pragma unroll
+      for (int q = 0; q < kT1; ++q) w[8 + kT1 * t + q] = t1[k][t][q];
+    }
+  }
 };
 template <>
 struct MmaRegs<0> {};
@@ -160,13 +183,7 @@ __device__ __forceinline__ void mma_load_regs(const Params& p, long long kb0, co
       }
     }
     if (i < R::kPairs) {
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) a.t0[i < R::kPairs ? i : 0][t][q] = w[4 * t + q];
-#pragma unroll
-        for (int q = 0; q < R::kT1; ++q) a.t1[i < R::kPairs ? i : 0][t][q] = w[8 + R::kT1 * t + q];
-      }
+      a.put(i, w);
     } else if (i - R::kPairs < mma_extra_pairs(kRows, p.H, warps)) {
       uint32_t* e = extra + ((warp * mma_extra_pairs(kRows, p.H, warps) + i - R::kPairs) * R::kWords) * 32 + lane * 4;
 #pragma unroll
@@ -249,13 +266,7 @@ __device__ __forceinline__ void mma_rows(const MmaStep& m, int nrows, const MmaR
     if (i >= m.mine) break;  // warp-uniform
     uint32_t w[R::kWords];
     if (i < R::kPairs) {
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) w[4 * t + q] = a.t0[i < R::kPairs ? i : 0][t][q];
-#pragma unroll
-        for (int q = 0; q < R::kT1; ++q) w[8 + R::kT1 * t + q] = a.t1[i < R::kPairs ? i : 0][t][q];
-      }
+      a.get(i, w);
     } else {
       const uint32_t* e = m.e0 + (i - R::kPairs) * R::kWords * 32;
 #pragma unroll
