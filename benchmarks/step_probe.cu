@@ -1,4 +1,4 @@
-// Step probe: times the persistent kernel (csrc/cuda/kernel_core.cuh) without JAX and splits a
+// Step probe: times the persistent kernel (csrc/cuda/persistent_kernel.cuh) without JAX and splits a
 // step into its phases, to find where the time goes. Standalone on purpose: no XLA, no Python,
 // one process per GPU call. Built with SPRNN_STEP_PROBE, which turns on the kernel's phase
 // stamps (thread 0 of every block: clock64 + %globaltimer at gather start, gather done, rows
@@ -20,7 +20,7 @@
 // package used before session 7, 0 in column order (the probe's order before session 7);
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
 // and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
-// build (kernel_core.cuh gather_words), regw = 1 the register-weights build (kRegWeights; with
+// build (memory.cuh gather_words), regw = 1 the register-weights build (kRegWeights; with
 // deep = 1 the deep one, which the package builds for ReLU only), with fw = 1 its float-words
 // build (RowWord); mma = 24 or 32 the tensor-core rows build for that many rows per block
 // (mma_rows.cuh).

@@ -45,7 +45,7 @@ def bank_aware_order(row_of: np.ndarray, cols: np.ndarray, period: int) -> np.nd
     7) to 1.26-1.31x, against a bound of 1.22-1.27x (benchmarks/NOTES.md, session 7). The
     time on the H200 changed by under 1% (the rows there are bound by instruction issue).
 
-    How the CUDA kernel reads it (csrc/cuda/kernel_core.cuh): one warp (or half warp) per
+    How the CUDA kernel reads it (csrc/cuda/rows.cuh): one warp (or half warp) per
     packed row, the row's k-th nonzero on lane k % 32 (k % 16), and h in shared memory as
     h[col][batch tile]. With the default period 16 and an fp16/bf16 batch tile of 4 (8-byte
     loads, served per half warp) a single group's 16 lanes read 16 distinct 8-byte bank pairs.

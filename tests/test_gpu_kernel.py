@@ -152,7 +152,7 @@ def test_relu_large_and_wide_batch(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_relu_sign_tagged_builds(dtype, monkeypatch):
     # ReLU layers run their own builds (launch.cuh kRnnRelu), whose exchange words carry a
-    # one-bit step tag in each value's sign (kernel_core.cuh XWord): the shape sweep (ragged
+    # one-bit step tag in each value's sign (storage.cuh XWord): the shape sweep (ragged
     # lengths with 0 and T, where a sequence that never runs keeps a negative h0, and reverse),
     # every tile and build that changes the gather (chunks of 2 and 4 units at tiles 4, 2 and 1,
     # their last one past H at odd H) or the rows (the deep gather with and without register
@@ -180,7 +180,7 @@ def test_relu_sign_tagged_builds(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell,activation", [("lstm", 0), ("rnn", 1), ("rnn", 0), ("gru", 0)])
 def test_nan_reaches_every_later_step(cell, activation, dtype):
-    # Bit-tagged words (kernel_core.cuh XWord): float32 LSTM layers have no room for NaN and
+    # Bit-tagged words (storage.cuh XWord): float32 LSTM layers have no room for NaN and
     # publish it as a code that readers turn back into NaN; ReLU layers' NaN (a ReLU keeps it,
     # as jax.nn.relu) has its sign bit cleared for the tag. One NaN input must reach exactly the
     # units that read it through a nonzero, step after step (oracle.nan_reach; the dense
@@ -261,7 +261,7 @@ def test_forced_tiles_and_column_filter(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
 def test_two_rows_per_warp(cell, dtype, monkeypatch):
-    # Half a warp per row (kernel_core.cuh compute_rows). By default only where it saves a pass
+    # Half a warp per row (rows.cuh compute_rows). By default only where it saves a pass
     # over the rows (LSTM H=1024: 31 rows per block, 16 warps); SPRNN_CUDA_ROW_LANES=16 forces
     # it on every shape, incl. a row left without a partner and the 16-wide tiles (two lanes
     # per nonzero).
@@ -345,7 +345,7 @@ def test_tensor_core_rows(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cell", CELLS)
 def test_reg_weights(cell, dtype, words, monkeypatch):
-    # The tile-4 build with each lane's first weights in registers (kernel_core.cuh
+    # The tile-4 build with each lane's first weights in registers (rows.cuh
     # kRegWeights), with 4-byte packed or 8-byte float words (RowWord): the default plan where
     # it is picked, then forced on every shape (other tiles ignore it) and on rows longer than
     # the register round (shared-memory rounds after it), skewed and with empty rows, whole and
@@ -380,7 +380,7 @@ SPLIT_SHAPES = [(5, 4, 517, 0.3, "skewed"), (4, 9, 1152, 0.1, "empty_rows")]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
 def test_rows_from_l2(cell, dtype, monkeypatch):
-    # Rows past a block's on-chip room run from L2 in rounds (kernel_core.cuh row_dot).
+    # Rows past a block's on-chip room run from L2 in rounds (rows.cuh row_dot).
     # SPRNN_CUDA_W_CAP caps the room: 0 puts every row in L2 (the shape sweep, and the naive
     # layout); 300 words split blocks between the two paths (the row offsets come first), in
     # the default build and in those that change the row loop: register weights, float words,

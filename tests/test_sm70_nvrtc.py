@@ -1,7 +1,8 @@
 """The CUDA kernel source stays compilable for sm_70 (V100) by CUDA 12.
 
 CUDA 13 (this project's nvcc) dropped sm_70, so CI compiles the header-only kernel core
-(csrc/cuda/kernel_core.cuh) with NVRTC 12 from PyPI, on a CPU-only machine:
+(csrc/cuda/kernel_core.cuh and the headers it includes) with NVRTC 12 from PyPI, on a
+CPU-only machine:
 
     python -m pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12
     python -m pytest tests/test_sm70_nvrtc.py

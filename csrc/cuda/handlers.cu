@@ -1,5 +1,5 @@
 // CUDA FFI handlers sprnn_{rnn,lstm,gru}_fwd (docs/INTERFACE.md): placement planning, the
-// cooperative launch of the persistent kernel (kernel_core.cuh), the per-step fallback, and
+// cooperative launch of the persistent kernel (persistent_kernel.cuh), the per-step fallback, and
 // error reporting. Exposed to Python as the pybind11 module jax_sprnn._sprnn_cuda.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
@@ -101,9 +101,9 @@ struct Plan {
 };
 
 int s_bytes_of(int dtype) { return dtype == 0 ? 4 : 2; }
-// Bytes of a nonzero in shared memory (kernel_core.cuh RowWord).
+// Bytes of a nonzero in shared memory (storage.cuh RowWord).
 int w_bytes_of(int dtype, bool float_words = false) { return dtype == 0 || float_words ? 8 : 4; }
-// Bytes of a tagged exchange word per value (kernel_core.cuh XWord; the bit-tagged words of ReLU
+// Bytes of a tagged exchange word per value (storage.cuh XWord; the bit-tagged words of ReLU
 // and float32 LSTM layers take half, and the workspace and the deep-gather rule use this upper
 // bound for them).
 int x_bytes_of(int dtype) { return dtype == 0 ? 8 : 4; }
@@ -137,7 +137,7 @@ const char* shape_limit(int dtype, long long H, long long B) {
 }
 
 // How the layer's units split over `parts` blocks (the kernels' unit_range): alpha, the largest
-// unit count of a block (u_cap; kernel_core.cuh unit_split) and the nonzeros one block must be
+// unit count of a block (u_cap; partition.cuh unit_split) and the nonzeros one block must be
 // able to hold (the average plus one unit's average, the partition granularity).
 void partition_units(long long H, long long nnz, int parts, Plan& pl) {
   const UnitSplit split = unit_split(H, nnz, parts);
@@ -169,7 +169,7 @@ bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, lo
 }
 
 // Splits the units over nb blocks (partition_units), counting each block's row offsets, which
-// the weight region also holds (4 bytes per row, at its start; kernel_core.cuh): those of an
+// the weight region also holds (4 bytes per row, at its start; persistent_kernel.cuh): those of an
 // average block.
 void partition_blocks(int gates, int dtype, long long H, long long nnz, int nb, Plan& pl) {
   pl.nb = nb;
@@ -310,7 +310,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // make cheaper block barriers (step probe, us/step: ReLU H=1152 9 rows per block 1.92 at
   // 384 threads vs 1.98 at 512; H=256 1.46 at 256 vs 1.53 at 512), more keep the rows of large
   // layers in flight (LSTM H=1024, 31 rows per block: 2.99 at 512 vs 3.34 at 384). The kernel
-  // is built for kPersistentThreads (512: 128 registers, kernel_core.cuh); SPRNN_CUDA_THREADS
+  // is built for kPersistentThreads (512: 128 registers, persistent_kernel.cuh); SPRNN_CUDA_THREADS
   // may ask for fewer.
   const long long rows = (gates * H + best.nb / best.groups - 1) / (best.nb / best.groups);
   if (env_int("SPRNN_CUDA_THREADS", 0) == 0) {
@@ -318,7 +318,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   }
   best.threads = std::min(best.threads, kPersistentThreads);
   // The deep-gather build where a 16-bit layer's gather of the tile-4 h needs more than one
-  // round of the default depth (kernel_core.cuh gather_units):
+  // round of the default depth (memory.cuh gather_units):
   // ReLU H=5760 fp16 5.88 -> 5.56 us/step in the step probe, while the layers that need one
   // round lose 3-14% with it (benchmarks/NOTES.md, session 8). Not for float32: timed through
   // JAX at H=2304..4608 it gained nothing and at H=4608 lost 6-9% (session 9).
@@ -328,7 +328,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     const long long knob = env_int("SPRNN_CUDA_DEEP_GATHER", -1);
     best.deep_gather = knob >= 0 ? knob != 0 : dtype != 0 && H > best.threads * units;
   }
-  // The register-weights build (kernel_core.cuh kRegWeights; 16-bit; beside the deep build
+  // The register-weights build (rows.cuh kRegWeights; 16-bit; beside the deep build
   // only for ReLU layers, whose deep gather holds no more registers than the default one of
   // the others: launch.cuh) where a lane's share of a row is more than
   // kRegLaneShare nonzeros: the rows per block and lanes per row as the kernel maps them (two
@@ -349,7 +349,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     constexpr double kRegLaneShare = 3.5;
     best.reg_weights = knob >= 0 ? knob != 0 : per_lane > kRegLaneShare;
   }
-  // Float words (kernel_core.cuh RowWord: 8 bytes per nonzero, no unpacking in the rows):
+  // Float words (storage.cuh RowWord: 8 bytes per nonzero, no unpacking in the rows):
   // always for float32, and for 16-bit layers with the register build where the whole layer
   // stays on chip with them. Step probe, fp16, B=4, us/step: ReLU H=2304 30% 3.22 -> 3.12,
   // LSTM H=1024 2.08 -> 2.03; LSTM H=4096 would no longer fit (benchmarks/NOTES.md, session
@@ -403,7 +403,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
     }
   }
   // SPRNN_CUDA_W_CAP (tests): at most this many words of nonzeros and row offsets per block on
-  // chip, so that the rows past them run from L2 in any build (kernel_core.cuh row_dot).
+  // chip, so that the rows past them run from L2 in any build (rows.cuh row_dot).
   if (const long long cap = env_int("SPRNN_CUDA_W_CAP", -1); cap >= 0 && best.persistent) {
     best.w_cap = std::min(best.w_cap, cap);
     best.on_chip = best.w_cap >= best.w_need;
@@ -535,7 +535,7 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
   return e;
 }
 
-// relu: an rnn layer with ReLU, whose wide builds exchange sign-tagged words (kernel_core.cuh
+// relu: an rnn layer with ReLU, whose wide builds exchange sign-tagged words (storage.cuh
 // XWord).
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl, bool relu) {
   switch (cell) {
@@ -758,7 +758,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.reverse = reverse ? 1 : 0;
   p.timeout_ns = env_int("SPRNN_CUDA_TIMEOUT_MS", 5000) * 1000000LL;
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
-  // Gather only the h units a block's rows read (kernel_core.cuh); 0 = every unit (as before).
+  // Gather only the h units a block's rows read (persistent_kernel.cuh); 0 = every unit (as before).
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = row_lanes_knob();
 

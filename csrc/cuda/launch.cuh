@@ -26,12 +26,12 @@ auto by_dtype(int dtype, F&& f) {
 
 // Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 to 64
 // (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
-// kernel_core.cuh). The naive layout (variant 0) is built for BT = 4 only. The planner
+// rows.cuh RowMap). The naive layout (variant 0) is built for BT = 4 only. The planner
 // (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
 // h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types, with
 // 4-byte or float words: RowWord) exist for the wide tile 4 only: `deep`, `reg` and `fw`
 // elsewhere are ignored (deep wins, but for 16-bit ReLU layers, whose deep gather holds no more
-// registers than the others' default one: two units per chunk, kernel_core.cuh chunk_units;
+// registers than the others' default one: two units per chunk, partition.cuh chunk_units;
 // 16-bit float words only beside the register weights). Float32 wide builds always have float
 // words (the plan says so). The tensor-core rows build (mma_rows.cuh, kMmaRows per block) exists
 // for 16-bit ReLU layers at tile 4 only (the tanh build spilled 36 bytes with it, ptxas sm_90);
@@ -94,7 +94,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
 
 // Per-cell entry points (one translation unit each: SPRNN_DEFINE_CELL_ENTRY there).
 // relu: an rnn layer with ReLU (its wide builds are kRnnRelu's: sign-tagged exchange words,
-// kernel_core.cuh XWord); the other cells ignore it.
+// storage.cuh XWord); the other cells ignore it.
 #define SPRNN_CELL_ENTRY(name)                                                            \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,      \
                                   bool fw, bool mma, bool relu);                          \

@@ -1,6 +1,6 @@
 // Tensor-core rows (persistent_fwd's kMma build, 16-bit weights, sm_80+): a block's rows as a
 // dense tile whose mma.sync A fragments stay in registers for the whole kernel, so a step
-// reads only h from shared memory. Included by kernel_core.cuh.
+// reads only h from shared memory. Included by persistent_kernel.cuh.
 //
 // Why: at high density the sparse rows are bound by shared-memory bytes and issue (~10-13
 // instructions and ~14-18 bytes per nonzero and lane: ReLU H=2304 30% spends 1.35 us of its
