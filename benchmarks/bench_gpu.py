@@ -737,13 +737,15 @@ def plot(res, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = [("density", "density", [r for r in res["sweeps"] if r.get("sweep") == "density"]),
-              ("hidden", "H", [r for r in res["sweeps"] if r.get("sweep") == "hidden"]),
-              ("batch", "B", res["batch"])]
+    panels = [("density", "density", [r for r in res.get("sweeps", []) if r.get("sweep") == "density"]),
+              ("hidden", "H", [r for r in res.get("sweeps", []) if r.get("sweep") == "hidden"]),
+              ("batch", "B", res.get("batch", []))]
+    panels = [pn for pn in panels if pn[2]]  # only the sweeps this run measured
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
     for ax, (name, key, rows) in zip(axes, panels):
-        if not rows:
-            continue
         xs = [r[key] for r in rows]
         for m, label in [("sparse_persistent", "sparse persistent (ours)"),
                          ("jax_scan", "JAX dense scan"), ("jax_scan_unroll8", "scan unroll 8"),
