@@ -737,8 +737,9 @@ def plot(res, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    panels = [("density", "density", [r for r in res.get("sweeps", []) if r.get("sweep") == "density"]),
-              ("hidden", "H", [r for r in res.get("sweeps", []) if r.get("sweep") == "hidden"]),
+    sweeps = res.get("sweeps", [])
+    panels = [("density", "density", [r for r in sweeps if r.get("sweep") == "density"]),
+              ("hidden", "H", [r for r in sweeps if r.get("sweep") == "hidden"]),
               ("batch", "B", res.get("batch", []))]
     panels = [pn for pn in panels if pn[2]]  # only the sweeps this run measured
     if not panels:

@@ -1,6 +1,6 @@
-// Step probe: times the persistent kernel (csrc/cuda/persistent_kernel.cuh) without JAX and splits a
-// step into its phases, to find where the time goes. Standalone on purpose: no XLA, no Python,
-// one process per GPU call. Built with SPRNN_STEP_PROBE, which turns on the kernel's phase
+// Step probe: times the persistent kernel (csrc/cuda/persistent_kernel.cuh) without JAX and
+// splits a step into its phases, to find where the time goes. Standalone on purpose: no XLA, no
+// Python, one process per GPU call. Built with SPRNN_STEP_PROBE, which turns on the kernel's phase
 // stamps (thread 0 of every block: clock64 + %globaltimer at gather start, gather done, rows
 // done, update done) and the probe modes (1 = skip the rows, 2 = do not wait for the tags).
 // Built with -DSPRNN_PROBE_FIXED_MODE=0 as well, the mode is a constant and the kernel's code
