@@ -19,6 +19,8 @@
 //   of both k-tiles in 16 contiguous bytes of h row g.
 #pragma once
 
+#include "cuda/partition.cuh"  // Params, Tr, kPersistentThreads
+
 namespace sprnn {
 namespace cuda {
 

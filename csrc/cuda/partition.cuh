@@ -1,5 +1,6 @@
-// The block partition (which hidden units each block owns, balanced on device) and the
-// shared-memory carve-up of a block; the host computes the same sizes (handlers.cu).
+// The block partition (which hidden units each block owns, balanced on device), the
+// shared-memory carve-up of a block and its thread count; the host computes the same sizes
+// (handlers.cu).
 #pragma once
 
 #include "cuda/memory.cuh"
@@ -117,6 +118,16 @@ __host__ __device__ inline SmemLayout smem_layout(int H, int BT, int bpad, int G
   l.total = l.w_off + align16(static_cast<long long>(w_cap) * w_bytes);
   return l;
 }
+
+// Threads per block persistent_fwd is built for (register budget: 65536 / threads): 512, so
+// 128 registers. At 1024 threads (64 registers) every tile spilled (the step probe found the
+// spill loads on the cell-update path, and local memory misses the small L1 beside 227 KB of
+// shared memory). The planner never launches more. (A macro only so that the step probe can
+// build the 1024-thread kernel for comparison.)
+#ifndef SPRNN_PERSISTENT_THREADS
+#define SPRNN_PERSISTENT_THREADS 512
+#endif
+constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
 
 }  // namespace cuda
 }  // namespace sprnn

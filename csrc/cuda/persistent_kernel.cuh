@@ -3,23 +3,8 @@
 #pragma once
 
 #include "cuda/cell_update.cuh"
+#include "cuda/mma_rows.cuh"
 
-namespace sprnn {
-namespace cuda {
-
-// Threads per block persistent_fwd is built for (register budget: 65536 / threads): 512, so
-// 128 registers. At 1024 threads (64 registers) every tile spilled (the step probe found the
-// spill loads on the cell-update path, and local memory misses the small L1 beside 227 KB of
-// shared memory). The planner never launches more. (A macro only so that the step probe can
-// build the 1024-thread kernel for comparison.)
-#ifndef SPRNN_PERSISTENT_THREADS
-#define SPRNN_PERSISTENT_THREADS 512
-#endif
-constexpr int kPersistentThreads = SPRNN_PERSISTENT_THREADS;
-
-}  // namespace cuda
-}  // namespace sprnn
-#include "cuda/mma_rows.cuh"  // (needs Params, Tr and kPersistentThreads above)
 namespace sprnn {
 namespace cuda {
 
