@@ -384,22 +384,24 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       best.wide && best.lamport && best.bt == 4 && best.ntiles == 1 && best.groups == 1 &&
       sync_check_on() && env_int("SPRNN_CUDA_W_CAP", -1) < 0) {
     const long long knob = env_int("SPRNN_CUDA_MMA", -1);
-    constexpr int kWarps = kPersistentThreads / 32;
     const long long avg_rows = (H + best.nb - 1) / best.nb;
-    const int rows = static_cast<int>(std::min<long long>(avg_rows + 2, kMmaRows));
-    Plan c = best;
-    c.mma = true;
-    c.deep_gather = c.reg_weights = c.float_words = false;
-    c.threads = kPersistentThreads;
-    const bool fits =
-        mma_fits(kMmaRows, static_cast<int>(avg_rows), static_cast<int>(H), kWarps) &&
-        fit_tile(c, 4, 1, gates, dtype, H, avail, mma_h_stride(static_cast<int>(H))) &&
-        (c.w_cap - align16((rows + 1) * 4) / 4) * 4 >=
-            mma_region_bytes(kMmaRows, rows, static_cast<int>(H), kWarps);
     const bool dense = nnz >= 8500LL * best.nb && avg_rows >= 12 && avg_rows <= 22;
-    if (fits && (knob == 1 || (knob < 0 && dense))) {
-      c.on_chip = true;
-      best = c;
+    if (knob == 1 || (knob < 0 && dense)) {  // wanted; then whether the build fits
+      constexpr int kWarps = kPersistentThreads / 32;
+      const int rows = static_cast<int>(std::min<long long>(avg_rows + 2, kMmaRows));
+      Plan c = best;
+      c.mma = true;
+      c.deep_gather = c.reg_weights = c.float_words = false;
+      c.threads = kPersistentThreads;
+      const bool fits =
+          mma_fits(kMmaRows, static_cast<int>(avg_rows), static_cast<int>(H), kWarps) &&
+          fit_tile(c, 4, 1, gates, dtype, H, avail, mma_h_stride(static_cast<int>(H))) &&
+          (c.w_cap - align16((rows + 1) * 4) / 4) * 4 >=
+              mma_region_bytes(kMmaRows, rows, static_cast<int>(H), kWarps);
+      if (fits) {
+        c.on_chip = true;
+        best = c;
+      }
     }
   }
   // SPRNN_CUDA_W_CAP (tests): at most this many words of nonzeros and row offsets per block on
