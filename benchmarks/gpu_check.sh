@@ -106,14 +106,15 @@ if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
 if [ "$MODE" = verify ]; then
-  # The whole GPU kernel test file in ten concurrent processes (their time is mostly JAX
+  # The whole GPU kernel test file in twelve concurrent processes (their time is mostly JAX
   # compiling on the host), then the targets table (BENCH_ARGS=none: tests only).
   REPO="$(pwd)"
   parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
          "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
-         "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and packed_words"
+         "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and offset_words"
          "test_reg_weights and float_words" "test_rows_from_l2" "test_relu_sign_tagged"
-         "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster or test_reg_weights or test_rows_from_l2 or test_relu_sign_tagged)")
+         "test_reg_weights and column_words" "test_column_words"
+         "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster or test_reg_weights or test_rows_from_l2 or test_relu_sign_tagged or test_column_words)")
   for i in "${!parts[@]}"; do
     (cd /tmp && timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider \
        "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &

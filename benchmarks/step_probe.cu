@@ -21,9 +21,10 @@
 // wcap_pct > 0 sizes shared memory for that % of a block's average nonzeros (the rest from L2)
 // and the carve-out to match, leaving the SM's other memory to L1; deep = 1 runs the deep-gather
 // build (memory.cuh gather_words), regw = 1 the register-weights build (kRegWeights; with
-// deep = 1 the deep one, which the package builds for ReLU only), with fw = 1 its float-words
-// build (RowWord); mma = 24 or 32 the tensor-core rows build for that many rows per block
-// (mma_rows.cuh).
+// deep = 1 the deep one, which the package builds for ReLU only), fw the words of the
+// nonzeros (storage.cuh RowWord): 0 the package's 4-byte words (offset words where they fit;
+// column words before session 34), 1 float words beside regw, 2 column words; mma = 24 or 32
+// the tensor-core rows build for that many rows per block (mma_rows.cuh).
 // Prints the median us/step
 // (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
@@ -41,7 +42,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/kernel_core.cuh"
+#include "cuda/launch.cuh"  // persistent_fwd and its 4-byte-word builds
 #include "cuda_check.h"
 
 using namespace sprnn;
@@ -184,7 +185,13 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.alpha = split.alpha;
   p.u_cap = split.u_cap;
   const long long avail = smem_optin - 256;
-  const int w_bytes = c.regw && c.fw ? 8 : 4;
+  // fw = 0: the 4-byte words the package picks for the layer (offset words where they fit,
+  // handlers.cu); 1: float words (beside regw); 2: column words.
+  const bool offset_fits = offset_words_fit(H, kBT * static_cast<int>(sizeof(S)));
+  const Words words = c.regw && c.fw == 1      ? Words::kFloat
+                      : c.fw != 2 && offset_fits ? Words::kOffset
+                                                 : Words::kColumn;
+  const int w_bytes = words == Words::kFloat ? 8 : 4;
   const int h_units = c.mma ? mma_h_stride(H) : 0;
   const SmemLayout l0 = smem_layout(H, kBT, kBT, G, kCell == Cell::kLstm, p.u_cap, 0, 2, w_bytes, 1, 0, h_units);
   p.w_cap = static_cast<int>(std::min<long long>((avail - l0.total) / w_bytes, 1LL << 30));
@@ -229,13 +236,15 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   p.counters = reinterpret_cast<unsigned int*>(ws + 256);
   p.xbuf = ws + 512 + 1024ull * c.xbuf_kb;
 
-  auto fn = c.mma == 24 ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, 0, false, 24>
-            : c.mma == 32 ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, 0, false, 32>
-            : c.deep && c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, true, kRegWeights>
-            : c.deep ? &persistent_fwd<kCell, DType::kF16, kBT, true, true>
-            : c.regw && c.fw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights, true>
-            : c.regw ? &persistent_fwd<kCell, DType::kF16, kBT, true, false, kRegWeights>
-                     : &persistent_fwd<kCell, DType::kF16, kBT, true>;
+  constexpr DType kD = DType::kF16;
+  const KernelFn fn = c.mma == 24   ? &persistent_fwd<kCell, kD, kBT, true, false, 0, Words::kColumn, 24>
+                      : c.mma == 32 ? &persistent_fwd<kCell, kD, kBT, true, false, 0, Words::kColumn, 32>
+                      : c.deep && c.regw ? four_byte_words<kCell, kD, true, kRegWeights>(words)
+                      : c.deep           ? four_byte_words<kCell, kD, true, 0>(words)
+                      : words == Words::kFloat
+                          ? &persistent_fwd<kCell, kD, kBT, true, false, kRegWeights, Words::kFloat>
+                      : c.regw ? four_byte_words<kCell, kD, false, kRegWeights>(words)
+                               : four_byte_words<kCell, kD, false, 0>(words);
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   if (c.wcap_pct > 0) {
     int smem_sm = 0;

@@ -148,6 +148,41 @@ def test_float_words_plans(monkeypatch):
     assert not plan("lstm", jnp.float16, 1024)["float_words"]
 
 
+def test_offset_words_plans(monkeypatch):
+    def plan(cell, dtype, H, B=4, d=0.1, **kw):
+        return cuda_lowering.plan(cell, dtype, H, B, nnz_of(cell, H, d), **H200, **kw)
+
+    # The 16-bit tile-4 builds of 4-byte words take offset words while every unit's byte
+    # offset in the tile (8 bytes a unit) fits 16 bits: H <= 8192.
+    for args, kw in [(("rnn", jnp.float16, 5760), {"activation": "relu"}),  # deep + register
+                     (("rnn", jnp.bfloat16, 5760), {}),  # deep
+                     (("lstm", jnp.float16, 4096), {}),  # register
+                     (("rnn", jnp.float16, 1152), {}),  # plain
+                     (("gru", jnp.bfloat16, 8192, 4, 0.02), {})]:
+        info = plan(*args, **kw)
+        assert info["batch_tile"] == 4 and info["offset_words"], (args, info)
+        assert not info["float_words"], (args, info)
+    for args, kw in [(("rnn", jnp.float16, 8193, 4, 0.02), {"activation": "relu"}),
+                     (("lstm", jnp.bfloat16, 9000, 4, 0.01), {})]:
+        info = plan(*args, **kw)
+        assert info["batch_tile"] == 4 and not info["offset_words"], (args, info)
+    # Not beside float words (8-byte words hold the offset already), not for float32, not for
+    # other tiles, not for the tensor-core rows (which keep no words).
+    info = plan("lstm", jnp.float16, 1024)
+    assert info["float_words"] and not info["offset_words"], info
+    assert not plan("rnn", jnp.float32, 1152)["offset_words"]
+    assert not plan("rnn", jnp.float16, 1152, B=1)["offset_words"]
+    info = plan("rnn", jnp.float16, 2304, d=0.3, activation="relu")
+    assert info["mma"] and not info["offset_words"], info
+    # Same bytes per nonzero: the same capacity either way.
+    monkeypatch.setenv("SPRNN_CUDA_OFFSET_WORDS", "0")
+    column = plan("lstm", jnp.float16, 4096)
+    monkeypatch.delenv("SPRNN_CUDA_OFFSET_WORDS")
+    offset = plan("lstm", jnp.float16, 4096)
+    assert not column["offset_words"] and offset["offset_words"]
+    assert column["nnz_per_block_capacity"] == offset["nnz_per_block_capacity"]
+
+
 def test_partition_room(monkeypatch):
     # A unit costs its average nonzeros in the block partition, so no block can get more than
     # twice the average units: shared memory is reserved for that many (units_cap), not three

@@ -341,15 +341,16 @@ def test_tensor_core_rows(dtype, monkeypatch):
     assert reruns() == before + 2
 
 
-@pytest.mark.parametrize("words", ["packed_words", "float_words"])
+@pytest.mark.parametrize("words", ["offset_words", "column_words", "float_words"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cell", CELLS)
 def test_reg_weights(cell, dtype, words, monkeypatch):
     # The tile-4 build with each lane's first weights in registers (rows.cuh
-    # kRegWeights), with 4-byte packed or 8-byte float words (RowWord): the default plan where
-    # it is picked, then forced on every shape (other tiles ignore it) and on rows longer than
-    # the register round (shared-memory rounds after it), skewed and with empty rows, whole and
-    # half warps per row; float words also where they push nonzeros out to L2.
+    # kRegWeights), with 4-byte offset or column words or 8-byte float words (RowWord): the
+    # default plan where it is picked, then forced on every shape (other tiles ignore it) and
+    # on rows longer than the register round (shared-memory rounds after it), skewed and with
+    # empty rows, whole and half warps per row; float words also where they push nonzeros out
+    # to L2.
     from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
 
     def plan(H, d):
@@ -357,9 +358,11 @@ def test_reg_weights(cell, dtype, words, monkeypatch):
         return cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, nnz)
 
     monkeypatch.setenv("SPRNN_CUDA_FLOAT_WORDS", "1" if words == "float_words" else "0")
+    monkeypatch.setenv("SPRNN_CUDA_OFFSET_WORDS", "0" if words == "column_words" else "1")
     H, d = (2304, 0.3) if cell == "rnn" else (1024, 0.1)
     info = plan(H, d)
     assert info["reg_weights"] and info["float_words"] == (words == "float_words"), info
+    assert info["offset_words"] == (words == "offset_words"), info
     check(cell, dtype, (3, 4, H, d, "skewed"), 3, 1)
     if words == "float_words":
         d = 0.2 if cell == "rnn" else 0.1
@@ -372,6 +375,29 @@ def test_reg_weights(cell, dtype, words, monkeypatch):
     for lanes in ("16", "32"):
         monkeypatch.setenv("SPRNN_CUDA_ROW_LANES", lanes)
         check(cell, dtype, (4, 4, 517, 0.7, "skewed"), 3, 2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cell", CELLS)
+def test_column_words(cell, dtype, monkeypatch):
+    # The 16-bit tile-4 builds keep a nonzero's column where its unit's byte offset does not
+    # fit an offset word (H > 8192; storage.cuh RowWord), and with SPRNN_CUDA_OFFSET_WORDS=0
+    # anywhere: such a layer (rnn, tanh and ReLU) in its default deep build, then the plain,
+    # deep and register builds with column words forced over the larger shapes of the sweep.
+    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
+
+    if cell == "rnn":
+        H, d = 8200, 0.01
+        for n, act in enumerate(["tanh", "relu"]):
+            info = cuda_lowering.plan(cell, jnp.dtype(dtype), H, 4, int(d * H * H),
+                                      activation=act)
+            assert info["batch_tile"] == 4 and info["deep_gather"], info
+            assert not info["offset_words"] and info["on_chip"], info
+            check(cell, dtype, (3, 4, H, d, "skewed"), 3, n, activation=act)
+    monkeypatch.setenv("SPRNN_CUDA_OFFSET_WORDS", "0")
+    for knobs in [{}, {"SPRNN_CUDA_DEEP_GATHER": "1"},
+                  {"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": "0"}]:
+        check_builds(monkeypatch, [knobs], cell, dtype, SHAPES[4:])
 
 
 SPLIT_SHAPES = [(5, 4, 517, 0.3, "skewed"), (4, 9, 1152, 0.1, "empty_rows")]

@@ -44,19 +44,25 @@ DTYPES = {d: (1, 2, 4, 8, 16, 32, 64) for d in ("kF32", "kBF16", "kF16")}
 
 def instantiations():
     names = []
+    words = "sprnn::cuda::Words::"
     for cell in CELLS + [RELU]:
         for dt, tiles in DTYPES.items():
-            fw = "true" if dt == "kF32" else "false"  # float32: float words (launch.cuh)
+            # float32: float words; 16-bit: column words, and offset words for the tile-4
+            # builds of 4-byte words (launch.cuh)
+            fw = words + ("kFloat" if dt == "kF32" else "kColumn")
             for bt in tiles:
                 names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                              f"sprnn::cuda::DType::{dt}, {bt}, true, false, 0, {fw}>")
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, 4, true, true, 0, {fw}>")  # deep gather
-            if dt != "kF32":  # register weights, 4-byte or float words (launch.cuh: 16-bit)
-                for words in ("false", "true"):
+            if dt != "kF32":  # register weights (launch.cuh: 16-bit), offset words
+                for w in ("kColumn", "kOffset", "kFloat"):
                     names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                                  f"sprnn::cuda::DType::{dt}, 4, true, false, "
-                                 f"sprnn::cuda::kRegWeights, {words}>")
+                                 f"sprnn::cuda::kRegWeights, {words}{w}>")
+                for deep in ("false", "true"):
+                    names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                                 f"sprnn::cuda::DType::{dt}, 4, true, {deep}, 0, {words}kOffset>")
             if cell == RELU:
                 continue  # the rest is built for kRnnTanh only
             names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "

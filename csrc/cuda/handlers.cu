@@ -94,6 +94,7 @@ struct Plan {
   bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
   bool reg_weights = false;  // the tile-4 build with each lane's first weights in registers
   bool float_words = false;  // its shared-memory nonzeros as 8-byte float words (RowWord)
+  bool offset_words = false;  // as 4-byte words with the h tile's byte offset (RowWord)
   bool mma = false;          // the tensor-core rows build (mma_rows.cuh, kMmaRows per block)
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
@@ -367,6 +368,14 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       best = c;
     }
   }
+  // Offset words (storage.cuh RowWord: a 16-bit nonzero's column as the byte offset of its
+  // unit's h values, one instruction less per nonzero in the rows, same bytes) for the 16-bit
+  // tile-4 builds of 4-byte words, where every offset fits 16 bits (H <= 8192). Step probe,
+  // fp16, B=4: ReLU H=5760 -1.8%, LSTM H=4096 -1.2%, ReLU H=1152 -0.5% (benchmarks/NOTES.md,
+  // session 34). SPRNN_CUDA_OFFSET_WORDS=0 turns them off.
+  if (best.persistent && best.wide && best.bt == 4 && dtype != 0 && !best.float_words)
+    best.offset_words = env_int("SPRNN_CUDA_OFFSET_WORDS", -1) != 0 &&
+                        offset_words_fit(H, best.bt * s_bytes_of(dtype));
   // Tensor-core rows (mma_rows.cuh): a block's rows as a dense 16-bit tile whose mma.sync A
   // fragments stay in registers. A step on them costs about the same at any density (the SMs
   // drop to ~1.72 GHz while they issue mma); the sparse rows' cost grows with a block's
@@ -391,7 +400,7 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       const int rows = static_cast<int>(std::min<long long>(avg_rows + 2, kMmaRows));
       Plan c = best;
       c.mma = true;
-      c.deep_gather = c.reg_weights = c.float_words = false;
+      c.deep_gather = c.reg_weights = c.float_words = c.offset_words = false;
       c.threads = kPersistentThreads;
       const bool fits =
           mma_fits(kMmaRows, static_cast<int>(avg_rows), static_cast<int>(H), kWarps) &&
@@ -540,16 +549,19 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
 // relu: an rnn layer with ReLU, whose wide builds exchange sign-tagged words (storage.cuh
 // XWord).
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl, bool relu) {
+  const Words words = pl.float_words    ? Words::kFloat
+                      : pl.offset_words ? Words::kOffset
+                                        : Words::kColumn;
   switch (cell) {
     case Cell::kLstm:
-      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words, false, false);
+      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, words,
+                                  false, false);
     case Cell::kGru:
-      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words, false, false);
+      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, words,
+                                 false, false);
     default:
-      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights,
-                                 pl.float_words, pl.mma, relu);
+      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, words,
+                                 pl.mma, relu);
   }
 }
 
@@ -988,6 +1000,7 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["deep_gather"] = pl.deep_gather;
   r["reg_weights"] = pl.reg_weights;
   r["float_words"] = pl.float_words;
+  r["offset_words"] = pl.offset_words;
   r["mma"] = pl.mma;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;

@@ -24,40 +24,52 @@ auto by_dtype(int dtype, F&& f) {
   }
 }
 
+// The 16-bit tile-4 builds of 4-byte words: column or offset words (storage.cuh RowWord).
+template <Cell C, DType D, bool kDeep, int kRegW>
+KernelFn four_byte_words(Words words) {
+  if (words == Words::kOffset) return &persistent_fwd<C, D, 4, true, kDeep, kRegW, Words::kOffset>;
+  return &persistent_fwd<C, D, 4, true, kDeep, kRegW, Words::kColumn>;
+}
+
 // Batch tiles of the wide layout: 1..8 keep one lane per nonzero with the whole tile; 16 to 64
 // (and 8 for float32) share a nonzero between BT / (16 / sizeof(value)) lanes ("batch lanes",
 // rows.cuh RowMap). The naive layout (variant 0) is built for BT = 4 only. The planner
 // (handlers.cu, make_plan) must only pick tiles listed here. The deep-gather build (twice the
-// h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types, with
-// 4-byte or float words: RowWord) exist for the wide tile 4 only: `deep`, `reg` and `fw`
-// elsewhere are ignored (deep wins, but for 16-bit ReLU layers, whose deep gather holds no more
-// registers than the others' default one: two units per chunk, partition.cuh chunk_units;
-// 16-bit float words only beside the register weights). Float32 wide builds always have float
-// words (the plan says so). The tensor-core rows build (mma_rows.cuh, kMmaRows per block) exists
-// for 16-bit ReLU layers at tile 4 only (the tanh build spilled 36 bytes with it, ptxas sm_90);
-// `mma` elsewhere is ignored.
+// h bytes in flight per thread) and the register-weights build (kRegWeights, 16-bit types)
+// exist for the wide tile 4 only: `deep` and `reg` elsewhere are ignored (deep wins, but for
+// 16-bit ReLU layers, whose deep gather holds no more registers than the others' default one:
+// two units per chunk, partition.cuh chunk_units). `words` (RowWord) picks among the builds of
+// the 16-bit tile 4: column or offset words for each, float words beside the register weights
+// only; the other 16-bit tiles have column words and float32 wide builds float words, whatever
+// `words` says (the plan says the same). The tensor-core rows build (mma_rows.cuh, kMmaRows per
+// block) exists for 16-bit ReLU layers at tile 4 only (the tanh build spilled 36 bytes with it,
+// ptxas sm_90); `mma` elsewhere is ignored.
 template <Cell C, DType D>
-KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, bool fw, bool mma) {
+KernelFn persistent_kernel(int bt, bool wide, bool deep, bool reg, Words words, bool mma) {
   if (!wide) return bt == 4 ? &persistent_fwd<C, D, 4, false> : nullptr;
-  constexpr bool kFW = D == DType::kF32;
+  constexpr Words kW = D == DType::kF32 ? Words::kFloat : Words::kColumn;
   switch (bt) {
-    case 1: return &persistent_fwd<C, D, 1, true, false, 0, kFW>;
-    case 2: return &persistent_fwd<C, D, 2, true, false, 0, kFW>;
+    case 1: return &persistent_fwd<C, D, 1, true, false, 0, kW>;
+    case 2: return &persistent_fwd<C, D, 2, true, false, 0, kW>;
     case 4:
-      if constexpr (C == Cell::kRnnRelu && D != DType::kF32) {
-        if (mma) return &persistent_fwd<C, D, 4, true, false, 0, false, kMmaRows>;
-        if (deep && reg) return &persistent_fwd<C, D, 4, true, true, kRegWeights>;
+      if constexpr (D == DType::kF32) {
+        if (deep) return &persistent_fwd<C, D, 4, true, true, 0, kW>;
+        return &persistent_fwd<C, D, 4, true, false, 0, kW>;
+      } else {
+        if constexpr (C == Cell::kRnnRelu) {
+          if (mma) return &persistent_fwd<C, D, 4, true, false, 0, Words::kColumn, kMmaRows>;
+          if (deep && reg) return four_byte_words<C, D, true, kRegWeights>(words);
+        }
+        if (deep) return four_byte_words<C, D, true, 0>(words);
+        if (reg && words == Words::kFloat)
+          return &persistent_fwd<C, D, 4, true, false, kRegWeights, Words::kFloat>;
+        if (reg) return four_byte_words<C, D, false, kRegWeights>(words);
+        return four_byte_words<C, D, false, 0>(words);
       }
-      if (deep) return &persistent_fwd<C, D, 4, true, true, 0, kFW>;
-      if constexpr (D != DType::kF32) {
-        if (reg && fw) return &persistent_fwd<C, D, 4, true, false, kRegWeights, true>;
-        if (reg) return &persistent_fwd<C, D, 4, true, false, kRegWeights>;
-      }
-      return &persistent_fwd<C, D, 4, true, false, 0, kFW>;
-    case 8: return &persistent_fwd<C, D, 8, true, false, 0, kFW>;
-    case 16: return &persistent_fwd<C, D, 16, true, false, 0, kFW>;
-    case 32: return &persistent_fwd<C, D, 32, true, false, 0, kFW>;
-    case 64: return &persistent_fwd<C, D, 64, true, false, 0, kFW>;
+    case 8: return &persistent_fwd<C, D, 8, true, false, 0, kW>;
+    case 16: return &persistent_fwd<C, D, 16, true, false, 0, kW>;
+    case 32: return &persistent_fwd<C, D, 32, true, false, 0, kW>;
+    case 64: return &persistent_fwd<C, D, 64, true, false, 0, kW>;
     default: return nullptr;
   }
 }
@@ -97,7 +109,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
 // storage.cuh XWord); the other cells ignore it.
 #define SPRNN_CELL_ENTRY(name)                                                            \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,      \
-                                  bool fw, bool mma, bool relu);                          \
+                                  Words words, bool mma, bool relu);                      \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
                                cudaStream_t s);
@@ -109,13 +121,13 @@ SPRNN_CELL_ENTRY(gru)
 // The definitions, in kernels_<name>.cu: the tables above for cell C, dispatched on dtype.
 #define SPRNN_DEFINE_CELL_ENTRY(name, C)                                                 \
   KernelFn pick_persistent_##name(int dtype, int bt, bool wide, bool deep, bool reg,    \
-                                  bool fw, bool mma, bool relu) {                        \
+                                  Words words, bool mma, bool relu) {                    \
     return by_dtype(dtype, [&](auto d) {                                                 \
       if constexpr (C == Cell::kRnnTanh) {                                               \
         if (relu && wide)                                                                \
-          return persistent_kernel<Cell::kRnnRelu, decltype(d)::value>(bt, wide, deep, reg, fw, mma); \
+          return persistent_kernel<Cell::kRnnRelu, decltype(d)::value>(bt, wide, deep, reg, words, mma); \
       }                                                                                  \
-      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, fw, mma);     \
+      return persistent_kernel<C, decltype(d)::value>(bt, wide, deep, reg, words, mma);  \
     });                                                                                  \
   }                                                                                      \
   KernelFn pick_cluster_##name(int dtype, int bt) {                                      \

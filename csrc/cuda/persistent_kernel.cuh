@@ -24,16 +24,16 @@ __device__ __forceinline__ void store_tile(typename Tr<D>::S* h_s, int H, int hs
 __host__ __device__ constexpr int max_threads_of_tile(int bt) { return bt >= 16 ? 512 : 1024; }
 
 // kCell: kRnnTanh stands for rnn (activation at run time), kLstm, kGru. kDeepGather, kRegW and
-// kFloatWords select the builds of gather_words, kRegWeights and RowWord.
+// kWords select the builds of gather_words, kRegWeights and RowWord.
 template <Cell kCell, DType D, int BT, bool kWide, bool kDeepGather = false, int kRegW = 0,
-          bool kFloatWords = false, int kMma = 0>
+          Words kWords = Words::kColumn, int kMma = 0>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p) {
   using T = Tr<D>;
   using S = typename T::S;
   using XW = XWord<kCell, D, BT>;
   using X = typename XW::X;  // loaded by the gather
   using P = typename XW::P;  // published per value
-  using W = RowWordT<D, kFloatWords>;
+  using W = RowWordT<D, kWords>;
   constexpr int G = gates_of(kCell);
   constexpr bool kLstmCell = kCell == Cell::kLstm;
   // Gathers move h in chunks of at most 32 bytes per thread: kCW exchange words (Lamport: kXU
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   // step s+1 must have seen every reader publish step s, i.e. finish its reads of step s-1),
   // so each block's first unit is marked too. A block without units reads nothing (nobody
   // waits for it and it needs no h).
-  if constexpr (kMma == 0) load_weights<D, kFloatWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
+  if constexpr (kMma == 0) load_weights<D, kWords>(p, kb0, n_in, w_s, BT * static_cast<int>(sizeof(S)));
   load_step_constants(p, 0, bpad, len_s, static_cast<long long>(u0) * G, nu * G, kb0, rows_s);
   const bool filter = kFilter && p.col_filter != 0;
   if (filter)
@@ -315,11 +315,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
           mma_rows<D, BT, kMma>(mma, nu * G, areg, mma_part, acc_s);
       } else if (SPRNN_PROBE_MODE != 1) {
         if (half_warps)
-          compute_rows<D, BT, kWide, kFloatWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
-                                                             nu * G, wreg, acc_s);
+          compute_rows<D, BT, kWide, kWords, 16, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
+                                                        nu * G, wreg, acc_s);
         else
-          compute_rows<D, BT, kWide, kFloatWords, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
-                                                             nu * G, wreg, acc_s);
+          compute_rows<D, BT, kWide, kWords, 32, kRegW>(p, w_s, kb0, n_in, h_s, rows_s,
+                                                        nu * G, wreg, acc_s);
       }
       __syncthreads();
       SPRNN_PROBE_STAMP(s, 2);

@@ -88,8 +88,8 @@ __device__ __forceinline__ void dot_located(const float (&v)[kDepth], const int 
 }
 
 // dot_located for kDepth shared-memory words wq (RowWord).
-template <DType D, int BT, bool kWide, bool kFW, int kDepth>
-__device__ __forceinline__ void dot_words(const RowWordT<D, kFW> (&wq)[kDepth],
+template <DType D, int BT, bool kWide, Words kWords, int kDepth>
+__device__ __forceinline__ void dot_words(const RowWordT<D, kWords> (&wq)[kDepth],
                                           const bool (&on)[kDepth], const typename Tr<D>::S* h_s,
                                           int H, int b0,
                                           float (&acc)[RowMap<D, BT, kWide>::kNV]) {
@@ -97,24 +97,27 @@ __device__ __forceinline__ void dot_words(const RowWordT<D, kFW> (&wq)[kDepth],
   int loc[kDepth];
 #pragma unroll
   for (int q = 0; q < kDepth; ++q) {
-    if constexpr (kFW) {
+    if constexpr (kWords == Words::kFloat) {
       v[q] = __uint_as_float(wq[q].x);
       loc[q] = static_cast<int>(wq[q].y);
+    } else if constexpr (kWords == Words::kOffset) {
+      v[q] = Tr<D>::bits_to_f(wq[q] & 0xffffu);
+      loc[q] = static_cast<int>(wq[q] >> 16);
     } else {
       Tr<D>::unpack_w(wq[q], v[q], loc[q]);
     }
   }
-  dot_located<D, BT, kWide, kFW, kDepth>(v, loc, on, h_s, H, b0, acc);
+  dot_located<D, BT, kWide, byte_offset_words(kWords), kDepth>(v, loc, on, h_s, H, b0, acc);
 }
 
 // One round of row_dot from shared memory: this lane's nonzeros k, k + kNS, ...,
 // k + (kDepth - 1) * kNS (with kPredicated, only those below k1), all weight loads first, then
 // dot_words.
-template <DType D, int BT, bool kWide, bool kFW, int kNS, int kDepth, bool kPredicated>
-__device__ __forceinline__ void dot_round(const RowWordT<D, kFW>* w_s,
+template <DType D, int BT, bool kWide, Words kWords, int kNS, int kDepth, bool kPredicated>
+__device__ __forceinline__ void dot_round(const RowWordT<D, kWords>* w_s,
                                           const typename Tr<D>::S* h_s, int H, int k, int k1,
                                           int b0, float (&acc)[RowMap<D, BT, kWide>::kNV]) {
-  using W = RowWordT<D, kFW>;
+  using W = RowWordT<D, kWords>;
   W wq[kDepth];
   bool on[kDepth];
 #pragma unroll
@@ -122,7 +125,7 @@ __device__ __forceinline__ void dot_round(const RowWordT<D, kFW>* w_s,
     on[q] = !kPredicated || k + kNS * q < k1;
     wq[q] = on[q] ? w_s[k + kNS * q] : W{};
   }
-  dot_words<D, BT, kWide, kFW, kDepth>(wq, on, h_s, H, b0, acc);
+  dot_words<D, BT, kWide, kWords, kDepth>(wq, on, h_s, H, b0, acc);
 }
 
 // The same round for a row not held on chip: values and columns from global memory (L2), all
@@ -177,11 +180,11 @@ __device__ __forceinline__ void row_rounds(int kr, int k1, Round&& round) {
 // float32: acc holds this lane's partial sums (compute_rows sums the slices). A group without a
 // row passes k0 = k1 = 0. With kLPN = 1 and whole warps a row's k-th nonzero goes to lane
 // k % 32, which is what the bank-aware packing order assumes.
-template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
-__device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>* w_s,
+template <DType D, int BT, bool kWide, Words kWords, int kGroup, int kRegW>
+__device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kWords>* w_s,
                                         long long kb0, long long n_in,
                                         const typename Tr<D>::S* h_s, int k0, int k1,
-                                        const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
+                                        const RowWordT<D, kWords> (&wreg)[reg_slots(kRegW)],
                                         bool use_reg,
                                         float (&acc)[RowMap<D, BT, kWide>::kNV]) {
   using T = Tr<D>;
@@ -202,13 +205,13 @@ __device__ __forceinline__ void row_dot(const Params& p, const RowWordT<D, kFW>*
         bool on[kRegW];
 #pragma unroll
         for (int q = 0; q < kRegW; ++q) on[q] = k0 + sl + kNS * q < k1;
-        dot_words<D, BT, kWide, kFW, kRegW>(wreg, on, h_s, H, b0, acc);
+        dot_words<D, BT, kWide, kWords, kRegW>(wreg, on, h_s, H, b0, acc);
         kr = k0 + kRegW * kNS;
       }
     }
     row_rounds<kNS>(kr, k1, [&](auto shape, int k) {
       using R = decltype(shape);
-      dot_round<D, BT, kWide, kFW, kNS, R::depth, R::predicated>(w_s, h_s, H, k + sl, k1, b0, acc);
+      dot_round<D, BT, kWide, kWords, kNS, R::depth, R::predicated>(w_s, h_s, H, k + sl, k1, b0, acc);
     });
   } else {
     // Not on chip: the same rounds, from L2. Step probe, fp16, B=4, us/step, against the loop
@@ -266,12 +269,12 @@ __device__ __forceinline__ float sum_slices_transposed(float (&acc)[kNV], int la
 // Step 2, the rows: rows [0, nrows) of the block (row r's nonzeros [rows_s[r], rows_s[r + 1]))
 // into acc_s[r * BT + b], a group of kGroup lanes per row (row_dot): one warp per row, or two
 // rows per warp at a time (kGroup = 16).
-template <DType D, int BT, bool kWide, bool kFW, int kGroup, int kRegW>
-__device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, kFW>* w_s,
+template <DType D, int BT, bool kWide, Words kWords, int kGroup, int kRegW>
+__device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, kWords>* w_s,
                                              long long kb0, long long n_in,
                                              const typename Tr<D>::S* h_s, const int* rows_s,
                                              int nrows,
-                                             const RowWordT<D, kFW> (&wreg)[reg_slots(kRegW)],
+                                             const RowWordT<D, kWords> (&wreg)[reg_slots(kRegW)],
                                              float* acc_s) {
   using M = RowMap<D, BT, kWide>;
   constexpr int kRowsPerWarp = 32 / kGroup;
@@ -283,7 +286,7 @@ __device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, 
     const bool has_row = r < nrows;
     float acc[M::kNV];
     const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
-    row_dot<D, BT, kWide, kFW, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
+    row_dot<D, BT, kWide, kWords, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
                                               has_row ? rows_s[r + 1] : 0, wreg, first_pass,
                                               acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {

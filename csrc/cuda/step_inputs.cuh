@@ -64,16 +64,15 @@ __device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps,
 }
 
 // Copies nonzeros [kb0, kb0 + n_in) into shared memory as RowWord words (unit_bytes: the bytes
-// of one unit's h values in the tile, for float words).
-template <DType D, bool kFloatWords = false>
+// of one unit's h values in the tile, for the byte offsets of offset and float words).
+template <DType D, Words kWords = Words::kColumn>
 __device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
-                                             RowWordT<D, kFloatWords>* w_s,
-                                             int unit_bytes = 0) {
+                                             RowWordT<D, kWords>* w_s, int unit_bytes = 0) {
   using T = Tr<D>;
   const typename T::S* vals = static_cast<const typename T::S*>(p.values);
   for (long long k = threadIdx.x; k < n_in; k += blockDim.x)
-    w_s[k] = RowWord<D, kFloatWords>::make(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k),
-                                           unit_bytes);
+    w_s[k] = RowWord<D, kWords>::make(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k),
+                                      unit_bytes);
 }
 
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for

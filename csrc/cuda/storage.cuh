@@ -156,30 +156,55 @@ struct XWord {
   }
 };
 
-// A nonzero as persistent_fwd keeps it in shared memory. Default: Tr<D>::W, (value, column),
-// 4 bytes for the 16-bit types. Float words (kFloatWords, wide tiles): the value as float32 bits
-// and the byte offset of its unit's h values in the tile, 8 bytes, so that row_dot spends no
-// instruction on unpacking or addressing: 10 instead of 13 per nonzero and lane at tile 4 fp16
-// (sm_90 SASS), for twice the shared memory per nonzero. Step probe, fp16, B=4, us/step
-// (register build, 4-byte / float words): ReLU H=2304 30% 3.22 -> 3.12, LSTM H=1024 2.08 ->
-// 2.03; whole warps of short rows lose (ReLU H=1152 1.76 -> 1.79: twice the weight wavefronts
-// for no saved round), so the planner takes them for 16-bit layers with the register build
-// only, where all nonzeros fit (benchmarks/NOTES.md, session 15). Float32 words are 8 bytes
-// either way: its wide builds always use them (launch.cuh).
-template <DType D, bool kFloatWords>
+// A nonzero as persistent_fwd keeps it in shared memory (its kWords):
+// - kColumn: Tr<D>::W, (value, column), 4 bytes for the 16-bit types.
+// - kOffset (16-bit, wide tiles): the byte offset of its unit's h values in the tile in the
+//   upper 16 bits, the value in the lower, 4 bytes: one LEA.HI gives the gather's address where
+//   the column takes SHF + LOP3 (12 instead of 13 instructions per nonzero and lane at tile 4
+//   fp16, sm_90 SASS). The offset must fit 16 bits (offset_words_fit). Step probe, fp16, B=4,
+//   us/step, column / offset: ReLU H=5760 (deep + register build) 4.44-4.45 -> 4.36-4.37, LSTM
+//   H=4096 8.83-8.87 -> 8.73-8.75, ReLU H=1152 1.53-1.54 -> 1.52 (benchmarks/NOTES.md,
+//   session 34).
+// - kFloat (wide tiles): the value as float32 bits and the byte offset of its unit's h values,
+//   8 bytes, so that row_dot spends no instruction on unpacking or addressing: 10 per nonzero
+//   and lane at tile 4 fp16, for twice the shared memory per nonzero. Step probe, fp16, B=4,
+//   us/step (register build, column / float words): ReLU H=2304 30% 3.22 -> 3.12, LSTM H=1024
+//   2.08 -> 2.03; whole warps of short rows lose (ReLU H=1152 1.76 -> 1.79: twice the weight
+//   wavefronts for no saved round), so the planner takes them for 16-bit layers with the
+//   register build only, where all nonzeros fit (benchmarks/NOTES.md, session 15). Float32
+//   words are 8 bytes either way: its wide builds always use them (launch.cuh).
+enum class Words : int { kColumn, kOffset, kFloat };
+
+// Whether row_dot addresses the tile by byte offsets (kOffset, kFloat) rather than columns.
+__host__ __device__ constexpr bool byte_offset_words(Words w) { return w != Words::kColumn; }
+
+// Whether every unit's byte offset in a tile of units of unit_bytes fits an offset word.
+__host__ __device__ constexpr bool offset_words_fit(long long H, int unit_bytes) {
+  return (H - 1) * unit_bytes <= 0xffff;
+}
+
+template <DType D, Words kWords>
 struct RowWord {
   using W = typename Tr<D>::W;
   __device__ static W make(float v, int col, int /*unit_bytes*/) { return Tr<D>::make_w(v, col); }
 };
 template <DType D>
-struct RowWord<D, true> {
+struct RowWord<D, Words::kOffset> {
+  static_assert(D != DType::kF32, "offset words hold a 16-bit value");
+  using W = uint32_t;
+  __device__ static W make(float v, int col, int unit_bytes) {
+    return static_cast<uint32_t>(col * unit_bytes) << 16 | Tr<D>::f_to_bits(v);
+  }
+};
+template <DType D>
+struct RowWord<D, Words::kFloat> {
   using W = uint2;
   __device__ static W make(float v, int col, int unit_bytes) {
     return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col * unit_bytes));
   }
 };
-template <DType D, bool kFloatWords>
-using RowWordT = typename RowWord<D, kFloatWords>::W;
+template <DType D, Words kWords>
+using RowWordT = typename RowWord<D, kWords>::W;
 
 }  // namespace cuda
 }  // namespace sprnn

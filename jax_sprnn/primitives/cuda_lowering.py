@@ -47,7 +47,11 @@ a 16-bit layer whose rows give each lane more than 4 nonzeros runs a build that 
 lane's first 8 weights of its first row in registers (``reg_weights``), and where the layer
 still fits on chip with 8 bytes per nonzero, that build keeps each nonzero in shared memory as
 its float32 value and the byte offset of its unit's h values (``float_words``: no unpacking in
-the row loop; float32 layers always store their nonzeros so). On sm_80+, a 16-bit ReLU layer
+the row loop; float32 layers always store their nonzeros so). The other 16-bit builds at a
+batch tile of 4 keep each nonzero in 4 bytes, its 16-bit value beside the byte offset of its
+unit's h values where every offset fits 16 bits (``offset_words``: H <= 8192; one instruction
+less per nonzero than a column index: ReLU H=5760 -1.8%, LSTM H=4096 -1.2% in the step probe),
+else beside its column. On sm_80+, a 16-bit ReLU layer
 at a batch tile of 4 with at least 8.5K nonzeros per block whose blocks average 12-22 rows (H
 about 1600-2900 on 132 SMs, from 50% density at H=1536 and 25% at H=2304) runs its rows on the
 tensor cores instead (``mma``: the block's rows as a dense tile whose ``mma.sync`` fragments
@@ -74,7 +78,8 @@ variant 5: default from the row length), ``SPRNN_CUDA_DEEP_GATHER`` (0 / 1 force
 gather off / on for batch tiles of 4), ``SPRNN_CUDA_REG_WEIGHTS`` (0 / 1 forces the register
 weights off / on for 16-bit batch tiles of 4 without the deep gather), ``SPRNN_CUDA_FLOAT_WORDS``
 (0 turns the 16-bit float words off, 1 forces them beside the register weights even where
-nonzeros then stay in L2), ``SPRNN_CUDA_W_CAP`` (tests: at most this many words of nonzeros
+nonzeros then stay in L2), ``SPRNN_CUDA_OFFSET_WORDS`` (0 turns the offset words off:
+column words), ``SPRNN_CUDA_W_CAP`` (tests: at most this many words of nonzeros
 and row offsets per block on chip, so the rest run from L2).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
@@ -118,7 +123,8 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
     tiles run at once, each on blocks / groups blocks), ``deep_gather`` (the tile-4 kernel with
     twice the h bytes in flight per thread, for layers whose gather needs more),
     ``reg_weights`` (the tile-4 kernel with each lane's first weights in registers),
-    ``float_words`` (nonzeros in shared memory as 8-byte float32 value + h offset), ``mma``
+    ``float_words`` (nonzeros in shared memory as 8-byte float32 value + h offset),
+    ``offset_words`` (4-byte words of a 16-bit value + h offset instead of its column), ``mma``
     (the rows on the tensor cores: dense 16-bit ReLU layers, see the module doc), ``blocks``,
     ``nnz_per_block_capacity``, ``smem_bytes``, ``workspace_bytes`` and ``reason``. On the
     device the handler may still re-plan a cluster plan for a smaller launchable cluster.
