@@ -371,8 +371,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // Offset words (storage.cuh RowWord: a 16-bit nonzero's column as the byte offset of its
   // unit's h values, one instruction less per nonzero in the rows, same bytes) for the 16-bit
   // tile-4 builds of 4-byte words, where every offset fits 16 bits (H <= 8192). Step probe,
-  // fp16, B=4: ReLU H=5760 -1.8%, LSTM H=4096 -1.2%, ReLU H=1152 -0.5% (benchmarks/NOTES.md,
-  // session 34). SPRNN_CUDA_OFFSET_WORDS=0 turns them off.
+  // fp16, B=4: ReLU H=5760 -1.8%, LSTM H=4096 -1.2%, ReLU H=1152 (plain build) -0.5%
+  // (benchmarks/NOTES.md, session 34). SPRNN_CUDA_OFFSET_WORDS=0 turns them off.
   if (best.persistent && best.wide && best.bt == 4 && dtype != 0 && !best.float_words)
     best.offset_words = env_int("SPRNN_CUDA_OFFSET_WORDS", -1) != 0 &&
                         offset_words_fit(H, best.bt * s_bytes_of(dtype));

@@ -163,8 +163,8 @@ struct XWord {
 //   the column takes SHF + LOP3 (12 instead of 13 instructions per nonzero and lane at tile 4
 //   fp16, sm_90 SASS). The offset must fit 16 bits (offset_words_fit). Step probe, fp16, B=4,
 //   us/step, column / offset: ReLU H=5760 (deep + register build) 4.44-4.45 -> 4.36-4.37, LSTM
-//   H=4096 8.83-8.87 -> 8.73-8.75, ReLU H=1152 1.53-1.54 -> 1.52 (benchmarks/NOTES.md,
-//   session 34).
+//   H=4096 8.83-8.87 -> 8.73-8.75, ReLU H=1152 (plain build) 1.53-1.54 -> 1.52
+//   (benchmarks/NOTES.md, session 34).
 // - kFloat (wide tiles): the value as float32 bits and the byte offset of its unit's h values,
 //   8 bytes, so that row_dot spends no instruction on unpacking or addressing: 10 per nonzero
 //   and lane at tile 4 fp16, for twice the shared memory per nonzero. Step probe, fp16, B=4,
