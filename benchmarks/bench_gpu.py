@@ -356,6 +356,8 @@ def main():
     ap.add_argument("--reg", action="store_true",
                     help="the register-weights build off / on / on with float words (B=4, "
                     "16-bit), wall and kernel time")
+    ap.add_argument("--words", action="store_true",
+                    help="column against offset words of the 16-bit tile-4 builds")
     ap.add_argument("--on-chip", action="store_true",
                     help="layers that do not fit on chip at the default tile: the default "
                     "plan vs batch tiles 16, 8, 4, 2 and 1, wall and kernel time")
@@ -370,7 +372,7 @@ def main():
                     help="run one call of this variant (ReLU H=1152 d=10%% fp16 B=4 T=32) for ncu")
     args = ap.parse_args()
     global DEVICE_TIME
-    DEVICE_TIME = args.device_time or args.reg or args.threads or args.on_chip
+    DEVICE_TIME = args.device_time or args.reg or args.threads or args.on_chip or args.words
     if args.ncu_one is not None:
         kernel, mask, xp, h0 = problem("rnn", 1152, 4, 32, 0.1, jnp.float16)
         w = variant_weights(kernel, mask, args.ncu_one)
@@ -668,6 +670,18 @@ def main():
                     ("lstm", None, 4096, 4, 0.1, jnp.float16)],
                    lambda info: (("float" if info["float_words"] else "on")
                                  if info["reg_weights"] else "off"), T)
+    if args.words:
+        knob_table(res, lines, save, "words",
+                   "## Column / offset words of the 16-bit tile-4 builds (B=4; us/step wall, then "
+                   "kernel only; `plan` = the default's choice)",
+                   {"column": {"SPRNN_CUDA_OFFSET_WORDS": "0"}, "offset": {}},
+                   [("rnn", "relu", 5760, 4, 0.1, jnp.float16),
+                    ("rnn", "relu", 5760, 4, 0.1, jnp.bfloat16),
+                    ("rnn", "tanh", 5760, 4, 0.1, jnp.float16),
+                    ("lstm", None, 4096, 4, 0.1, jnp.float16),
+                    ("gru", None, 2048, 4, 0.1, jnp.float16),
+                    ("rnn", "relu", 1024, 4, 0.1, jnp.float16)],
+                   lambda info: "offset" if info["offset_words"] else "column", T)
     if args.on_chip:
         knob_table(res, lines, save, "on_chip",
                    "## Layers that do not fit on chip at the default tile (us/step wall, then "
