@@ -395,9 +395,9 @@ def test_column_words(cell, dtype, monkeypatch):
             assert not info["offset_words"] and info["on_chip"], info
             check(cell, dtype, (3, 4, H, d, "skewed"), 3, n, activation=act)
     monkeypatch.setenv("SPRNN_CUDA_OFFSET_WORDS", "0")
-    for knobs in [{}, {"SPRNN_CUDA_DEEP_GATHER": "1"},
-                  {"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": "0"}]:
-        check_builds(monkeypatch, [knobs], cell, dtype, SHAPES[4:])
+    check_builds(monkeypatch, [{}, {"SPRNN_CUDA_DEEP_GATHER": "1"},
+                               {"SPRNN_CUDA_REG_WEIGHTS": "1", "SPRNN_CUDA_FLOAT_WORDS": "0"}],
+                 cell, dtype, SHAPES[4:])
 
 
 SPLIT_SHAPES = [(5, 4, 517, 0.3, "skewed"), (4, 9, 1152, 0.1, "empty_rows")]

@@ -370,9 +370,11 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   }
   // Offset words (storage.cuh RowWord: a 16-bit nonzero's column as the byte offset of its
   // unit's h values, one instruction less per nonzero in the rows, same bytes) for the 16-bit
-  // tile-4 builds of 4-byte words, where every offset fits 16 bits (H <= 8192). Step probe,
-  // fp16, B=4: ReLU H=5760 -1.8%, LSTM H=4096 -1.2%, ReLU H=1152 (plain build) -0.5%
-  // (benchmarks/NOTES.md, session 34). SPRNN_CUDA_OFFSET_WORDS=0 turns them off.
+  // tile-4 builds of 4-byte words, where every offset fits 16 bits (H <= 8192). Kernel time
+  // through the package, column / offset words (bench_gpu.py --words, B=4, us/step): LSTM
+  // H=4096 fp16 8.78 / 8.64, ReLU H=5760 bf16 4.41 / 4.37, tanh H=5760 fp16 5.20 / 5.15, ReLU
+  // H=5760 fp16 4.35 / 4.35, ReLU H=1024 fp16 1.41 / 1.41 (benchmarks/NOTES.md, session 34).
+  // SPRNN_CUDA_OFFSET_WORDS=0 turns them off.
   if (best.persistent && best.wide && best.bt == 4 && dtype != 0 && !best.float_words)
     best.offset_words = env_int("SPRNN_CUDA_OFFSET_WORDS", -1) != 0 &&
                         offset_words_fit(H, best.bt * s_bytes_of(dtype));

@@ -286,9 +286,10 @@ __device__ __forceinline__ void compute_rows(const Params& p, const RowWordT<D, 
     const bool has_row = r < nrows;
     float acc[M::kNV];
     const bool first_pass = base < (blockDim.x >> 5) * kRowsPerWarp;  // wreg's row
-    row_dot<D, BT, kWide, kWords, kGroup, kRegW>(p, w_s, kb0, n_in, h_s, has_row ? rows_s[r] : 0,
-                                              has_row ? rows_s[r + 1] : 0, wreg, first_pass,
-                                              acc);
+    row_dot<D, BT, kWide, kWords, kGroup, kRegW>(p, w_s, kb0, n_in, h_s,
+                                                 has_row ? rows_s[r] : 0,
+                                                 has_row ? rows_s[r + 1] : 0, wreg, first_pass,
+                                                 acc);
     if constexpr (M::kLPN == 1 && M::kNV >= 2 && M::kNV <= 8) {
       int col;
       const float sum = sum_slices_transposed<M::kNV, kGroup>(acc, lane, col);
