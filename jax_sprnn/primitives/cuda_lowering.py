@@ -50,8 +50,8 @@ its float32 value and the byte offset of its unit's h values (``float_words``: n
 the row loop; float32 layers always store their nonzeros so). The other 16-bit builds at a
 batch tile of 4 keep each nonzero in 4 bytes, its 16-bit value beside the byte offset of its
 unit's h values where every offset fits 16 bits (``offset_words``: H <= 8192; one instruction
-less per nonzero than a column index: ReLU H=5760 -1.8%, LSTM H=4096 -1.2% in the step probe),
-else beside its column. On sm_80+, a 16-bit ReLU layer
+less per nonzero than a column index: kernel time LSTM H=4096 -1.6%, H=5760 tanh and bf16 ReLU
+-1%, fp16 ReLU unchanged), else beside its column. On sm_80+, a 16-bit ReLU layer
 at a batch tile of 4 with at least 8.5K nonzeros per block whose blocks average 12-22 rows (H
 about 1600-2900 on 132 SMs, from 50% density at H=1536 and 25% at H=2304) runs its rows on the
 tensor cores instead (``mma``: the block's rows as a dense tile whose ``mma.sync`` fragments
