@@ -93,8 +93,7 @@ struct Plan {
   int groups = 1;   // > 1: batch groups (Params::groups), nb / groups blocks per tile
   bool deep_gather = false;  // the tile-4 build with twice the h bytes in flight (launch.cuh)
   bool reg_weights = false;  // the tile-4 build with each lane's first weights in registers
-  bool float_words = false;  // its shared-memory nonzeros as 8-byte float words (RowWord)
-  bool offset_words = false;  // as 4-byte words with the h tile's byte offset (RowWord)
+  Words words = Words::kColumn;  // how its shared-memory nonzeros are stored (RowWord)
   bool mma = false;          // the tensor-core rows build (mma_rows.cuh, kMmaRows per block)
   long long w_cap = 0, w_need = 0, smem = 0;
   bool on_chip = false;
@@ -103,7 +102,9 @@ struct Plan {
 
 int s_bytes_of(int dtype) { return dtype == 0 ? 4 : 2; }
 // Bytes of a nonzero in shared memory (storage.cuh RowWord).
-int w_bytes_of(int dtype, bool float_words = false) { return dtype == 0 || float_words ? 8 : 4; }
+int w_bytes_of(int dtype, Words words = Words::kColumn) {
+  return dtype == 0 || words == Words::kFloat ? 8 : 4;
+}
 // Bytes of a tagged exchange word per value (storage.cuh XWord; the bit-tagged words of ReLU
 // and float32 LSTM layers take half, and the workspace and the deep-gather rule use this upper
 // bound for them).
@@ -153,7 +154,7 @@ void partition_units(long long H, long long nnz, int parts, Plan& pl) {
 bool fit_tile(Plan& c, int bt, int ntiles, int gates, int dtype, long long H, long long avail,
               int h_units = 0) {
   const bool lstm = gates == 4;
-  const int w_bytes = w_bytes_of(dtype, c.float_words);
+  const int w_bytes = w_bytes_of(dtype, c.words);
   const SmemLayout l0 = smem_layout(static_cast<int>(H), bt, ntiles * bt, gates, lstm, c.u_cap, 0,
                                     s_bytes_of(dtype), w_bytes, 1, 0, h_units);
   // The weight region must hold the row offsets of the largest possible block.
@@ -176,7 +177,7 @@ void partition_blocks(int gates, int dtype, long long H, long long nnz, int nb, 
   pl.nb = nb;
   partition_units(H, nnz, nb, pl);
   const long long avg_rows = (gates * H + nb - 1) / nb + 1;
-  const int w_bytes = w_bytes_of(dtype, pl.float_words);
+  const int w_bytes = w_bytes_of(dtype, pl.words);
   pl.w_need += (align16(avg_rows * 4) + w_bytes - 1) / w_bytes;
 }
 
@@ -356,11 +357,11 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // LSTM H=1024 2.08 -> 2.03; LSTM H=4096 would no longer fit (benchmarks/NOTES.md, session
   // 15). SPRNN_CUDA_FLOAT_WORDS=0 turns them off, 1 forces them on beside the register weights
   // even where nonzeros then spill to L2 (tests). Not beside the deep build (no such build).
-  if (dtype == 0) best.float_words = best.persistent && best.wide;  // 8 bytes either way
+  if (dtype == 0 && best.persistent && best.wide) best.words = Words::kFloat;  // 8 bytes either way
   if (best.reg_weights && !best.deep_gather) {
     const long long knob = env_int("SPRNN_CUDA_FLOAT_WORDS", -1);
     Plan c = best;
-    c.float_words = true;
+    c.words = Words::kFloat;
     partition_blocks(gates, dtype, H, nnz, best.nb / best.groups, c);
     if (knob != 0 && fit_tile(c, best.bt, best.ntiles, gates, dtype, H, avail) &&
         (c.on_chip || knob == 1)) {
@@ -375,9 +376,10 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
   // H=4096 fp16 8.78 / 8.64, ReLU H=5760 bf16 4.41 / 4.37, tanh H=5760 fp16 5.20 / 5.15, ReLU
   // H=5760 fp16 4.35 / 4.35, ReLU H=1024 fp16 1.41 / 1.41 (benchmarks/NOTES.md, session 34).
   // SPRNN_CUDA_OFFSET_WORDS=0 turns them off.
-  if (best.persistent && best.wide && best.bt == 4 && dtype != 0 && !best.float_words)
-    best.offset_words = env_int("SPRNN_CUDA_OFFSET_WORDS", -1) != 0 &&
-                        offset_words_fit(H, best.bt * s_bytes_of(dtype));
+  if (best.persistent && best.wide && best.bt == 4 && dtype != 0 &&
+      best.words == Words::kColumn && env_int("SPRNN_CUDA_OFFSET_WORDS", -1) != 0 &&
+      offset_words_fit(H, best.bt * s_bytes_of(dtype)))
+    best.words = Words::kOffset;
   // Tensor-core rows (mma_rows.cuh): a block's rows as a dense 16-bit tile whose mma.sync A
   // fragments stay in registers. A step on them costs about the same at any density (the SMs
   // drop to ~1.72 GHz while they issue mma); the sparse rows' cost grows with a block's
@@ -402,7 +404,8 @@ Plan make_grid_plan(int gates, int dtype, long long H, long long B, long long nn
       const int rows = static_cast<int>(std::min<long long>(avg_rows + 2, kMmaRows));
       Plan c = best;
       c.mma = true;
-      c.deep_gather = c.reg_weights = c.float_words = c.offset_words = false;
+      c.deep_gather = c.reg_weights = false;
+      c.words = Words::kColumn;
       c.threads = kPersistentThreads;
       const bool fits =
           mma_fits(kMmaRows, static_cast<int>(avg_rows), static_cast<int>(H), kWarps) &&
@@ -551,18 +554,15 @@ cudaError_t blocks_per_sm(int dev, KernelFn fn, int threads, long long smem, int
 // relu: an rnn layer with ReLU, whose wide builds exchange sign-tagged words (storage.cuh
 // XWord).
 KernelFn pick_persistent(Cell cell, int dtype, const Plan& pl, bool relu) {
-  const Words words = pl.float_words    ? Words::kFloat
-                      : pl.offset_words ? Words::kOffset
-                                        : Words::kColumn;
   switch (cell) {
     case Cell::kLstm:
-      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, words,
+      return pick_persistent_lstm(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, pl.words,
                                   false, false);
     case Cell::kGru:
-      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, words,
+      return pick_persistent_gru(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, pl.words,
                                  false, false);
     default:
-      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, words,
+      return pick_persistent_rnn(dtype, pl.bt, pl.wide, pl.deep_gather, pl.reg_weights, pl.words,
                                  pl.mma, relu);
   }
 }
@@ -1001,8 +1001,8 @@ py::dict plan_dict(int gates, int dtype, long long H, long long B, long long nnz
   r["groups"] = pl.groups;
   r["deep_gather"] = pl.deep_gather;
   r["reg_weights"] = pl.reg_weights;
-  r["float_words"] = pl.float_words;
-  r["offset_words"] = pl.offset_words;
+  r["float_words"] = pl.words == Words::kFloat;
+  r["offset_words"] = pl.words == Words::kOffset;
   r["mma"] = pl.mma;
   r["blocks"] = pl.nb;
   r["threads"] = pl.threads;
