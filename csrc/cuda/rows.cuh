@@ -96,17 +96,7 @@ __device__ __forceinline__ void dot_words(const RowWordT<D, kWords> (&wq)[kDepth
   float v[kDepth];
   int loc[kDepth];
 #pragma unroll
-  for (int q = 0; q < kDepth; ++q) {
-    if constexpr (kWords == Words::kFloat) {
-      v[q] = __uint_as_float(wq[q].x);
-      loc[q] = static_cast<int>(wq[q].y);
-    } else if constexpr (kWords == Words::kOffset) {
-      v[q] = Tr<D>::bits_to_f(wq[q] & 0xffffu);
-      loc[q] = static_cast<int>(wq[q] >> 16);
-    } else {
-      Tr<D>::unpack_w(wq[q], v[q], loc[q]);
-    }
-  }
+  for (int q = 0; q < kDepth; ++q) RowWord<D, kWords>::unpack(wq[q], v[q], loc[q]);
   dot_located<D, BT, kWide, byte_offset_words(kWords), kDepth>(v, loc, on, h_s, H, b0, acc);
 }
 

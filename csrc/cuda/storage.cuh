@@ -187,6 +187,10 @@ template <DType D, Words kWords>
 struct RowWord {
   using W = typename Tr<D>::W;
   __device__ static W make(float v, int col, int /*unit_bytes*/) { return Tr<D>::make_w(v, col); }
+  // The value and where its h values are: here the column, else the byte offset in the tile.
+  __device__ __forceinline__ static void unpack(const W& w, float& v, int& loc) {
+    Tr<D>::unpack_w(w, v, loc);
+  }
 };
 template <DType D>
 struct RowWord<D, Words::kOffset> {
@@ -195,12 +199,20 @@ struct RowWord<D, Words::kOffset> {
   __device__ static W make(float v, int col, int unit_bytes) {
     return static_cast<uint32_t>(col * unit_bytes) << 16 | Tr<D>::f_to_bits(v);
   }
+  __device__ __forceinline__ static void unpack(const W& w, float& v, int& loc) {
+    v = Tr<D>::bits_to_f(w & 0xffffu);
+    loc = static_cast<int>(w >> 16);
+  }
 };
 template <DType D>
 struct RowWord<D, Words::kFloat> {
   using W = uint2;
   __device__ static W make(float v, int col, int unit_bytes) {
     return make_uint2(__float_as_uint(v), static_cast<uint32_t>(col * unit_bytes));
+  }
+  __device__ __forceinline__ static void unpack(const W& w, float& v, int& loc) {
+    v = __uint_as_float(w.x);
+    loc = static_cast<int>(w.y);
   }
 };
 template <DType D, Words kWords>
