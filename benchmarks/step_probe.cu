@@ -26,7 +26,8 @@
 // column words before session 34), 1 float words beside regw, 2 column words; mma = 24 or 32
 // the tensor-core rows build for that many rows per block (mma_rows.cuh).
 // Prints the median us/step
-// (kernel only, cudaEvent, 15 runs), the phase medians, and for mode 0 the largest error of ys against a
+// (kernel only, cudaEvent, 15 runs), the phase medians (p50/p90; "top" p10/p50/p90 is thread 0's
+// time from its update done to its next gather start), and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 // A second line splits the traced run by position: step periods in windows of the call, and
 // the launch + prologue + tail around the steps.
@@ -292,13 +293,14 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   std::vector<unsigned long long> tr(static_cast<size_t>(kT) * nb * 8);
   CHECK(cudaMemcpy(tr.data(), trace, tr.size() * 8, cudaMemcpyDeviceToHost));
   auto at = [&](int s, int b, int k) { return tr[(static_cast<size_t>(s) * nb + b) * 8 + k]; };
-  std::vector<double> gather, rows, update, period, spread1, lag, wait_last;
+  std::vector<double> gather, rows, update, top, period, spread1, lag, wait_last;
   for (int s = 2; s + 1 < kT; ++s) {
     unsigned long long t3max = 0, t1min = ~0ull, t1max = 0;
     for (int b = 0; b < nb; ++b) {
       gather.push_back((at(s, b, 1) - at(s, b, 0)) / clock_ghz / 1000.0);
       rows.push_back((at(s, b, 2) - at(s, b, 1)) / clock_ghz / 1000.0);
       update.push_back((at(s, b, 3) - at(s, b, 2)) / clock_ghz / 1000.0);
+      top.push_back((at(s + 1, b, 0) - at(s, b, 3)) / clock_ghz / 1000.0);  // the next step's start
       period.push_back((at(s + 1, b, 0) - at(s, b, 0)) / clock_ghz / 1000.0);
       t3max = std::max(t3max, at(s, b, 7));
       t1min = std::min(t1min, at(s + 1, b, 5));
@@ -351,12 +353,12 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     }
   }
   std::printf("%-4s H=%-5d d=%.2f thr=%-4d nb=%-3d mode=%d filter=%d spin=%d lanes=%d xbuf_kb=%d bank=%d wcap_pct=%d deep=%d regw=%d fw=%d mma=%d nnz=%lld smem=%lld | %.3f us/step | "
-              "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f period %.3f | "
+              "phase us (p50/p90): gather %.3f/%.3f rows %.3f/%.3f update %.3f/%.3f top %.3f/%.3f/%.3f period %.3f | "
               "timer: last publish -> first/last gather done %.3f/%.3f, gather-done spread %.3f | sm %.2f GHz | "
               "ys max abs err %.2e (max |ref| %.2f)%s\n",
               c.cell.c_str(), H, c.density, threads, nb, c.mode, c.filter, c.spin_ns, c.row_lanes, c.xbuf_kb, c.bank, c.wcap_pct, c.deep, c.regw, c.fw, c.mma, nnz, smem, us_step,
               pct(gather, 0.5), pct(gather, 0.9), pct(rows, 0.5), pct(rows, 0.9), pct(update, 0.5),
-              pct(update, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
+              pct(update, 0.9), pct(top, 0.1), pct(top, 0.5), pct(top, 0.9), pct(period, 0.5), pct(lag, 0.5), pct(wait_last, 0.5),
               pct(spread1, 0.5), sm_ghz, err, ref_max, err > 1e-2 * std::max(1.0, ref_max) ? " FAIL" : "");
   // Where in the call the time goes (traced run): median period (us, from clock64) of the steps
   // in each window, and the launch + prologue + tail = the whole kernel minus the span of the

@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
   if constexpr (kMma > 0) mma = mma_step<kMma>(reinterpret_cast<const uint16_t*>(h_s), H, nu * G, BT, mma_part);
 
   const int npairs = nu * BT;
+  constexpr bool kFirstPairEarly = kDeepGather && kRegW == 0;  // see first_pair below
   const bool half_warps = two_rows_per_warp(nu * G, nthr >> 5, p.row_lanes);
   // Register weights (kRegW): the nonzeros of this lane's first row that row_dot's register
   // round takes (the same lane, row and order as there; rows wholly on chip only).
@@ -190,17 +191,25 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
       const long long tile_off = (static_cast<long long>((s & 1) * p.ntiles + j) * Hx) * BT;
       const long long prev_off = (static_cast<long long>(((s + 1) & 1) * p.ntiles + j) * Hx) * BT;
 
-      // This thread's first (unit, b) pair: its step, publish offset and input projection
-      // (the loads in flight while the block waits for h), ready for the update.
+      // This thread's first (unit, b) pair: its step, publish offset and input projection, loaded
+      // after the gather, in flight while the rows run. Before the gather (until session 36)
+      // these shared, constant and global loads queued behind the other warps' polls and
+      // delayed this warp's own polls (step probe, us/step: ReLU H=5760 4.35 -> 4.24, LSTM H=1024
+      // 2.01 -> 1.90, LSTM H=4096 8.80 -> 8.57; benchmarks/NOTES.md, session 36). The deep-gather
+      // builds without register weights keep them before the gather: after it, the x registers
+      // live across the rows and those builds spill.
       S xr[G] = {};
       PairStep ps0{};
       long long xo0 = 0;
-      if (tid < npairs) {
-        const int b = j * BT + tid % BT, u = u0 + tid / BT;
-        ps0 = pair_step(p, s, len_s[b], b, u);
-        xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
-        if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
-      }
+      auto first_pair = [&] {
+        if (tid < npairs) {
+          const int b = j * BT + tid % BT, u = u0 + tid / BT;
+          ps0 = pair_step(p, s, len_s[b], b, u);
+          xo0 = tile_off + static_cast<long long>(u) * BT + tid % BT;
+          if (ps0.valid) load_x_pair<D, G>(p, ps0, u, xr);
+        }
+      };
+      if constexpr (kFirstPairEarly) first_pair();
 
       // 1. h_{s-1} of this tile into shared memory.
       SPRNN_PROBE_STAMP(s, 0);
@@ -307,6 +316,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_fwd(Params p
         }
       }
       if (__syncthreads_or(aborted)) return;
+      if constexpr (!kFirstPairEarly) first_pair();
       SPRNN_PROBE_STAMP(s, 1);
 
       // 2. Rows (compute_rows above).

@@ -38,9 +38,9 @@ __device__ __forceinline__ void load_step_constants(const Params& p, int b_lo, i
 
 // Where pair (unit u, sequence b of length len) stands at step s: whether the step is in the
 // sequence, and the ys/cs offset it writes (time step_time(s) then; padding positions s >= len
-// get zeros at time s). Threads compute it for their first pair at the top of the round, off
-// the update's critical path (the update is a short dependent chain in one or two warps that
-// every block waits for).
+// get zeros at time s). Threads compute it for their first pair before the rows, off the
+// update's critical path (the update is a short dependent chain in one or two warps that every
+// block waits for).
 struct PairStep {
   bool valid;
   long long o;

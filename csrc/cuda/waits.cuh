@@ -33,6 +33,11 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
 // pair of words instead of one predicate per item: benchmarks/NOTES.md session 26), so a build
 // with SPRNN_PROBE_FIXED_MODE=m has the mode as a constant, as the package has 0.
 #if defined(SPRNN_STEP_PROBE)
+// SPRNN_PROBE_NO_TIMER=1: clock64 stamps only (a %globaltimer read stalls the stamping warp at
+// its store; the timer line of the probe's output is then meaningless).
+#ifndef SPRNN_PROBE_NO_TIMER
+#define SPRNN_PROBE_NO_TIMER 0
+#endif
 __device__ unsigned long long* g_probe_trace;
 __device__ int g_probe_mode;
 // Read once per kernel (a global load in every phase would itself miss the L1).
@@ -45,7 +50,7 @@ __device__ int g_probe_mode;
     if (threadIdx.x == 0 && probe_trace != nullptr) {                                            \
       unsigned long long* q = probe_trace + (static_cast<long long>(s) * gridDim.x + blockIdx.x) * 8; \
       q[k] = clock64();                                                                          \
-      q[4 + (k)] = global_ns();                                                                  \
+      if (!SPRNN_PROBE_NO_TIMER) q[4 + (k)] = global_ns();                                       \
     }                                                                                            \
   } while (0)
 #if defined(SPRNN_PROBE_FIXED_MODE)
