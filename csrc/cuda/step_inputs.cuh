@@ -63,16 +63,49 @@ __device__ __forceinline__ void load_x_pair(const Params& p, const PairStep& ps,
   for (int g = 0; g < G; ++g) x[g] = xq[static_cast<long long>(g) * p.H];
 }
 
+// One stored nonzero as the prologue reads it from global memory.
+template <DType D>
+struct Nonzero {
+  typename Tr<D>::S value;
+  int32_t col;
+};
+
+// The prologue's copies: store(k, load(k)) for k = first, first + stride, ... below end, with
+// kNonzeroBatch loads in flight per thread. One at a time, each store waited for its own loads
+// (a whole memory latency per element: ~25 us of a call at ReLU H=5760's 25K nonzeros per
+// block; benchmarks/NOTES.md, session 36).
+constexpr int kNonzeroBatch = 8;
+template <class Load, class Store>
+__device__ __forceinline__ void copy_batched(long long first, long long end, long long stride,
+                                             Load&& load, Store&& store) {
+  using V = decltype(load(first));
+  for (long long k0 = first; k0 < end; k0 += stride * kNonzeroBatch) {
+    V v[kNonzeroBatch];
+#pragma unroll
+    for (int i = 0; i < kNonzeroBatch; ++i)
+      if (k0 + i * stride < end) v[i] = load(k0 + i * stride);
+#pragma unroll
+    for (int i = 0; i < kNonzeroBatch; ++i)
+      if (k0 + i * stride < end) store(k0 + i * stride, v[i]);
+  }
+}
+
+// Nonzero kb0 + k of the layer.
+template <DType D>
+__device__ __forceinline__ Nonzero<D> load_nonzero(const Params& p, long long kb0, long long k) {
+  return {static_cast<const typename Tr<D>::S*>(p.values)[kb0 + k], __ldg(p.col_idx + kb0 + k)};
+}
+
 // Copies nonzeros [kb0, kb0 + n_in) into shared memory as RowWord words (unit_bytes: the bytes
 // of one unit's h values in the tile, for the byte offsets of offset and float words).
 template <DType D, Words kWords = Words::kColumn>
 __device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
                                              RowWordT<D, kWords>* w_s, int unit_bytes = 0) {
-  using T = Tr<D>;
-  const typename T::S* vals = static_cast<const typename T::S*>(p.values);
-  for (long long k = threadIdx.x; k < n_in; k += blockDim.x)
-    w_s[k] = RowWord<D, kWords>::make(T::to_f(vals[kb0 + k]), __ldg(p.col_idx + kb0 + k),
-                                      unit_bytes);
+  copy_batched(
+      threadIdx.x, n_in, blockDim.x, [&](long long k) { return load_nonzero<D>(p, kb0, k); },
+      [&](long long k, const Nonzero<D>& nz) {
+        w_s[k] = RowWord<D, kWords>::make(Tr<D>::to_f(nz.value), nz.col, unit_bytes);
+      });
 }
 
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
