@@ -33,8 +33,9 @@ __device__ __forceinline__ bool wait_expired(const Params& p, unsigned long long
 // pair of words instead of one predicate per item: benchmarks/NOTES.md session 26), so a build
 // with SPRNN_PROBE_FIXED_MODE=m has the mode as a constant, as the package has 0.
 #if defined(SPRNN_STEP_PROBE)
-// SPRNN_PROBE_NO_TIMER=1: clock64 stamps only (a %globaltimer read stalls the stamping warp at
-// its store; the timer line of the probe's output is then meaningless).
+// SPRNN_PROBE_NO_TIMER=1: clock64 stamps only, to check that the %globaltimer reads do not shape
+// the phases (they did not: benchmarks/NOTES.md, session 36); the probe's timer figures and SM
+// clock are then meaningless.
 #ifndef SPRNN_PROBE_NO_TIMER
 #define SPRNN_PROBE_NO_TIMER 0
 #endif
