@@ -20,7 +20,7 @@
 #pragma once
 
 #include "cuda/partition.cuh"  // Params, Tr, kPersistentThreads
-#include "cuda/step_inputs.cuh"  // copy_batched, load_nonzero
+#include "cuda/step_inputs.cuh"  // copy_nonzeros
 
 namespace sprnn {
 namespace cuda {
@@ -148,12 +148,10 @@ __device__ __forceinline__ void mma_load_regs(const Params& p, long long kb0, co
   for (int i = threadIdx.x; i < nrows * hp / 2; i += blockDim.x) reinterpret_cast<uint32_t*>(tile)[i] = 0u;
   __syncthreads();
   for (int r = threadIdx.x >> 5; r < nrows; r += blockDim.x >> 5)
-    copy_batched(
-        rows_s[r] + (threadIdx.x & 31), rows_s[r + 1], 32,
-        [&](long long k) { return load_nonzero<D>(p, kb0, k); },
-        [&](long long, const Nonzero<D>& nz) {
-          tile[r * hp + nz.col] = static_cast<uint16_t>(T::f_to_bits(T::to_f(nz.value)));
-        });
+    copy_nonzeros<D>(p, kb0, rows_s[r] + (threadIdx.x & 31), rows_s[r + 1], 32,
+                     [&](long long, const Nonzero<D>& nz) {
+                       tile[r * hp + nz.col] = static_cast<uint16_t>(T::f_to_bits(T::to_f(nz.value)));
+                     });
   __syncthreads();
   using R = MmaRegs<kRows>;
   const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;

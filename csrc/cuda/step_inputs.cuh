@@ -70,30 +70,27 @@ struct Nonzero {
   int32_t col;
 };
 
-// The prologue's copies: store(k, load(k)) for k = first, first + stride, ... below end, with
-// kNonzeroBatch loads in flight per thread. One at a time, each store waited for its own loads
-// (a whole memory latency per element: ~25 us of a call at ReLU H=5760's 25K nonzeros per
-// block; benchmarks/NOTES.md, session 36).
+// The prologue's copies: store(k, nonzero kb0 + k) for k = first, first + stride, ... below
+// end, with kNonzeroBatch nonzeros' loads in flight per thread. One at a time, each store
+// waited for its own loads (a whole memory latency per nonzero: ~25 us of a call at ReLU
+// H=5760's 25K nonzeros per block; benchmarks/NOTES.md, session 36).
 constexpr int kNonzeroBatch = 8;
-template <class Load, class Store>
-__device__ __forceinline__ void copy_batched(long long first, long long end, long long stride,
-                                             Load&& load, Store&& store) {
-  using V = decltype(load(first));
+template <DType D, class Store>
+__device__ __forceinline__ void copy_nonzeros(const Params& p, long long kb0, long long first,
+                                              long long end, long long stride, Store&& store) {
+  const typename Tr<D>::S* vals = static_cast<const typename Tr<D>::S*>(p.values) + kb0;
+  const int32_t* cols = p.col_idx + kb0;
   for (long long k0 = first; k0 < end; k0 += stride * kNonzeroBatch) {
-    V v[kNonzeroBatch];
+    Nonzero<D> nz[kNonzeroBatch];
+#pragma unroll
+    for (int i = 0; i < kNonzeroBatch; ++i) {
+      const long long k = k0 + i * stride;
+      if (k < end) nz[i] = {vals[k], __ldg(cols + k)};
+    }
 #pragma unroll
     for (int i = 0; i < kNonzeroBatch; ++i)
-      if (k0 + i * stride < end) v[i] = load(k0 + i * stride);
-#pragma unroll
-    for (int i = 0; i < kNonzeroBatch; ++i)
-      if (k0 + i * stride < end) store(k0 + i * stride, v[i]);
+      if (k0 + i * stride < end) store(k0 + i * stride, nz[i]);
   }
-}
-
-// Nonzero kb0 + k of the layer.
-template <DType D>
-__device__ __forceinline__ Nonzero<D> load_nonzero(const Params& p, long long kb0, long long k) {
-  return {static_cast<const typename Tr<D>::S*>(p.values)[kb0 + k], __ldg(p.col_idx + kb0 + k)};
 }
 
 // Copies nonzeros [kb0, kb0 + n_in) into shared memory as RowWord words (unit_bytes: the bytes
@@ -101,11 +98,9 @@ __device__ __forceinline__ Nonzero<D> load_nonzero(const Params& p, long long kb
 template <DType D, Words kWords = Words::kColumn>
 __device__ __forceinline__ void load_weights(const Params& p, long long kb0, long long n_in,
                                              RowWordT<D, kWords>* w_s, int unit_bytes = 0) {
-  copy_batched(
-      threadIdx.x, n_in, blockDim.x, [&](long long k) { return load_nonzero<D>(p, kb0, k); },
-      [&](long long k, const Nonzero<D>& nz) {
-        w_s[k] = RowWord<D, kWords>::make(Tr<D>::to_f(nz.value), nz.col, unit_bytes);
-      });
+  copy_nonzeros<D>(p, kb0, threadIdx.x, n_in, blockDim.x, [&](long long k, const Nonzero<D>& nz) {
+    w_s[k] = RowWord<D, kWords>::make(Tr<D>::to_f(nz.value), nz.col, unit_bytes);
+  });
 }
 
 // The float32 state of the block's units for batch columns [b_lo, b_lo + bpad) (zeros for
