@@ -4,7 +4,8 @@
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
-#                            probe-profile|exchange|cluster-reg|trace|all]     (default all)
+#                            probe-profile|exchange|cluster-reg|mma-clock|trace|all]
+#                                                                       (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
 # verify: the GPU kernel tests (nine processes), then bench_gpu.py $BENCH_ARGS (--targets;
@@ -17,6 +18,8 @@
 # exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
+# mma-clock: benchmarks/mma_clock_probe.cu (the SM clock while each tensor-core instruction kind
+#   runs).
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
 #   for the configurations in CLUSTER_REG_CONFIGS (H:density:T:csize:lanes:mode:order).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
@@ -69,6 +72,11 @@ if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange
   for cfg in ${EXCHANGE_CONFIGS:-132:384:2000:4 132:384:2000:16 132:384:2000:20 132:384:2000:36 132:384:2000:72 132:384:2000:20:1 66:384:2000:72}; do  # blocks:threads:steps:words:flagged
     timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
   done
+  exit 0
+fi
+if [ "$MODE" = mma-clock ]; then  # benchmarks/mma_clock_probe.cu
+  "${PROBE_NVCC[@]}" benchmarks/mma_clock_probe.cu -o /tmp/mma_clock_probe || exit 1
+  timeout 120 /tmp/mma_clock_probe 2>&1 | tee -a "$OUT/mma_clock.txt"
   exit 0
 fi
 if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu

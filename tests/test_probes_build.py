@@ -1,8 +1,8 @@
-"""The standalone GPU probes in benchmarks/ (step_probe.cu, exchange_probe.cu,
-cluster_reg_probe.cu) still build against the kernel headers, with the flags
-benchmarks/gpu_check.sh uses: they include csrc/cuda/*.cuh, so a kernel change can break them
-without any package test noticing, and a broken probe would only show on the GPU machine.
-Needs nvcc (skipped without it); builds for sm_90, as on the H200.
+"""The standalone GPU probes in benchmarks/ still build with the flags benchmarks/gpu_check.sh
+uses. step_probe.cu, exchange_probe.cu and cluster_reg_probe.cu include csrc/cuda/*.cuh, so a
+kernel change can break them without any package test noticing, and a broken probe would only
+show on the GPU machine; mma_clock_probe.cu stands alone. Needs nvcc (skipped without it);
+builds for sm_90, as on the H200.
 """
 
 import os
@@ -32,6 +32,7 @@ PROBES = {
     "step_probe_runtime_mode": ("step_probe", ["-DSPRNN_STEP_PROBE"]),
     "exchange_probe": ("exchange_probe", []),
     "cluster_reg_probe": ("cluster_reg_probe", []),
+    "mma_clock_probe": ("mma_clock_probe", []),
 }
 
 

@@ -1,0 +1,127 @@
+// Does the H200 lower its SM clock for every tensor-core instruction kind? (benchmarks/NOTES.md,
+// sessions 9 and 37: the persistent kernel's mma rows run at ~1.73 GHz, the CUDA-core rows at
+// 1.98.) Each variant runs 132 blocks x 512 threads for ~0.3 s: per iteration ~kAlu dependent
+// FMAs per thread, then kMma tensor-core instructions per warp (0 = FMAs only), at about the
+// persistent kernel's ratio (18 HMMA per warp and ~4000 cycles). Prints the SM clock the blocks
+// ran at (clock64 cycles per %globaltimer ns) per variant. Session 37 (H200): 1.98 GHz with FMAs
+// only and with fp64 DMMA; 1.80-1.815 GHz with every HMMA and IMMA kind (f16 or bf16 into f32 or
+// f16, tf32, s8), even one per warp and ~4000 cycles: the 16-bit and integer tensor pipe lowers
+// the clock whatever its load.
+// Build: nvcc -O3 -arch=sm_90 benchmarks/mma_clock_probe.cu -o /tmp/mma_clock_probe
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
+  std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); return 1; } } while (0)
+
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// One tensor-core instruction of kind K on registers a (4 words), b (2 words), d (4 floats or
+// words): operands change every call through the accumulators, so nothing is hoisted.
+template <int K>
+__device__ __forceinline__ void mma_op(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4]) {
+  if constexpr (K == 1) {  // fp16 inputs, fp32 accumulation, k16 (the kernel's)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (K == 2) {  // fp16, fp32 accumulation, k8
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(b[0]));
+  } else if constexpr (K == 3) {  // bf16, fp32 accumulation, k16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (K == 4) {  // tf32, fp32 accumulation, k8 (an fp16 value is exact in tf32)
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (K == 5) {  // int8, int32 accumulation, k32
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(reinterpret_cast<int(&)[4]>(d)[0]), "+r"(reinterpret_cast<int(&)[4]>(d)[1]),
+                   "+r"(reinterpret_cast<int(&)[4]>(d)[2]), "+r"(reinterpret_cast<int(&)[4]>(d)[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (K == 6) {  // fp16 inputs, fp16 accumulation, k16
+    uint32_t* u = reinterpret_cast<uint32_t*>(d);
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};"
+                 : "+r"(u[0]), "+r"(u[1]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (K == 7) {  // fp64 (DMMA), k4
+    double dd[2] = {d[0], d[1]};
+    const double da = __int_as_float(a[0]), db = __int_as_float(b[0]);
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+                 : "+d"(dd[0]), "+d"(dd[1]) : "d"(da), "d"(db));
+    d[0] = static_cast<float>(dd[0]);
+    d[1] = static_cast<float>(dd[1]);
+  }
+}
+
+template <int K>
+__global__ void __launch_bounds__(512, 1) probe(int iters, int alu, int mma_per_iter, float seed,
+                                                 unsigned long long* out, float* sink) {
+  uint32_t a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = 0x3c003c00u ^ (threadIdx.x + i);  // ~1.0 halves
+  for (int i = 0; i < 2; ++i) b[i] = 0x3c003c00u ^ (threadIdx.x * 7 + i);
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  float x = seed + threadIdx.x, y = 1.0000001f;
+  const unsigned long long c0 = clock64(), t0 = gtimer();
+  for (int it = 0; it < iters; ++it) {
+    for (int j = 0; j < alu; ++j) x = fmaf(x, y, 1e-7f);
+    if constexpr (K > 0)
+      for (int j = 0; j < mma_per_iter; ++j) mma_op<K>(a, b, d);
+  }
+  const unsigned long long c1 = clock64(), t1 = gtimer();
+  if (threadIdx.x == 0) {
+    out[blockIdx.x * 2] = c1 - c0;
+    out[blockIdx.x * 2 + 1] = t1 - t0;
+  }
+  if (x == 12345.f || d[0] + d[1] + d[2] + d[3] == 12345.f) sink[threadIdx.x] = x + d[0];
+}
+
+template <int K>
+int run(const char* name, int iters, int alu, int mma, unsigned long long* out, float* sink) {
+  const int blocks = 132;
+  probe<K><<<blocks, 512>>>(iters / 10, alu, mma, 1.f, out, sink);  // warm-up
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  probe<K><<<blocks, 512>>>(iters, alu, mma, 1.f, out, sink);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> h(blocks * 2);
+  CHECK(cudaMemcpy(h.data(), out, h.size() * 8, cudaMemcpyDeviceToHost));
+  std::vector<double> ghz;
+  double ms = 0;
+  for (int i = 0; i < blocks; ++i) {
+    ghz.push_back(static_cast<double>(h[2 * i]) / static_cast<double>(h[2 * i + 1]));
+    ms = std::max(ms, h[2 * i + 1] / 1e6);
+  }
+  std::sort(ghz.begin(), ghz.end());
+  std::printf("%-34s alu %5d mma/warp %3d: SM clock %.3f GHz (min %.3f, max %.3f), %.0f ms\n", name,
+              alu, mma, ghz[blocks / 2], ghz.front(), ghz.back(), ms);
+  return 0;
+}
+
+int main() {
+  unsigned long long* out;
+  float* sink;
+  CHECK(cudaMalloc(&out, 132 * 2 * 8));
+  CHECK(cudaMalloc(&sink, 512 * 4));
+  const int iters = 100000, alu = 1000;
+  // ~4 FMA cycles each, 4 warps per scheduler: ~4000 cycles of FMAs per iteration and warp.
+  int rc = 0;
+  for (int round = 0; round < 2; ++round) {
+    rc |= run<0>("none (FMAs only)", iters, alu, 0, out, sink);
+    rc |= run<1>("f16 -> f32, m16n8k16", iters, alu, 18, out, sink);
+    rc |= run<1>("f16 -> f32, m16n8k16, 1 per iter", iters, alu, 1, out, sink);
+    rc |= run<2>("f16 -> f32, m16n8k8", iters, alu, 18, out, sink);
+    rc |= run<3>("bf16 -> f32, m16n8k16", iters, alu, 18, out, sink);
+    rc |= run<4>("tf32 -> f32, m16n8k8", iters, alu, 18, out, sink);
+    rc |= run<5>("s8 -> s32, m16n8k32", iters, alu, 18, out, sink);
+    rc |= run<6>("f16 -> f16, m16n8k16", iters, alu, 18, out, sink);
+    rc |= run<7>("f64, m8n8k4 (DMMA)", iters, alu, 18, out, sink);
+    rc |= run<1>("f16 -> f32, m16n8k16, dense", iters, 10, 18, out, sink);
+  }
+  return rc;
+}
