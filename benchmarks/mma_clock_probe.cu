@@ -1,7 +1,7 @@
 // Does the H200 lower its SM clock for every tensor-core instruction kind? (benchmarks/NOTES.md,
 // sessions 9 and 37: the persistent kernel's mma rows run at ~1.73 GHz, the CUDA-core rows at
-// 1.98.) Each variant runs 132 blocks x 512 threads for ~0.3 s: per iteration ~kAlu dependent
-// FMAs per thread, then kMma tensor-core instructions per warp (0 = FMAs only), at about the
+// 1.98.) Each variant runs 132 blocks x 512 threads for ~0.3 s: per iteration `alu` dependent
+// FMAs per thread, then `mma` tensor-core instructions per warp (none in variant 0), at about the
 // persistent kernel's ratio (18 HMMA per warp and ~4000 cycles). Prints the SM clock the blocks
 // ran at (clock64 cycles per %globaltimer ns) per variant. Session 37 (H200): 1.98 GHz with FMAs
 // only and with fp64 DMMA; 1.80-1.815 GHz with every HMMA and IMMA kind (f16 or bf16 into f32 or
