@@ -8,7 +8,7 @@
 #                                                                       (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
-# verify: the GPU kernel tests (nine processes), then bench_gpu.py $BENCH_ARGS (--targets;
+# verify: the GPU kernel tests (twelve processes), then bench_gpu.py $BENCH_ARGS (--targets;
 #   none = tests only).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
