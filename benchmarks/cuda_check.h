@@ -1,5 +1,5 @@
-// CHECK(call): the standalone probes' (step_probe.cu, exchange_probe.cu) CUDA error check: print
-// the failing call and exit.
+// CHECK(call): the standalone probes' (benchmarks/*_probe.cu) CUDA error check: print the failing
+// call and exit.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -7,21 +7,18 @@
 // only and with fp64 DMMA; 1.80-1.815 GHz with every HMMA and IMMA kind (f16 or bf16 into f32 or
 // f16, tf32, s8), even one per warp and ~4000 cycles: the 16-bit and integer tensor pipe lowers
 // the clock whatever its load.
-// Build: nvcc -O3 -arch=sm_90 benchmarks/mma_clock_probe.cu -o /tmp/mma_clock_probe
-#include <cstdio>
-#include <cstdint>
-#include <vector>
+// Build: nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/mma_clock_probe.cu -o /tmp/mma_clock_probe
 #include <algorithm>
-#include <cuda_runtime.h>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); return 1; } } while (0)
+#include "cuda/memory.cuh"  // global_ns
+#include "cuda_check.h"
 
-__device__ __forceinline__ unsigned long long gtimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using sprnn::cuda::global_ns;
+
+constexpr int kBlocks = 132, kThreads = 512;  // one block per H200 SM, as the persistent kernel
 
 // One tensor-core instruction of kind K on registers a (4 words), b (2 words), d (4 floats or
 // words): operands change every call through the accumulators, so nothing is hoisted.
@@ -59,20 +56,20 @@ __device__ __forceinline__ void mma_op(const uint32_t (&a)[4], const uint32_t (&
 }
 
 template <int K>
-__global__ void __launch_bounds__(512, 1) probe(int iters, int alu, int mma_per_iter, float seed,
+__global__ void __launch_bounds__(kThreads, 1) probe(int iters, int alu, int mma_per_iter, float seed,
                                                  unsigned long long* out, float* sink) {
   uint32_t a[4], b[2];
   for (int i = 0; i < 4; ++i) a[i] = 0x3c003c00u ^ (threadIdx.x + i);  // ~1.0 halves
   for (int i = 0; i < 2; ++i) b[i] = 0x3c003c00u ^ (threadIdx.x * 7 + i);
   float d[4] = {0.f, 0.f, 0.f, 0.f};
   float x = seed + threadIdx.x, y = 1.0000001f;
-  const unsigned long long c0 = clock64(), t0 = gtimer();
+  const unsigned long long c0 = clock64(), t0 = global_ns();
   for (int it = 0; it < iters; ++it) {
     for (int j = 0; j < alu; ++j) x = fmaf(x, y, 1e-7f);
     if constexpr (K > 0)
       for (int j = 0; j < mma_per_iter; ++j) mma_op<K>(a, b, d);
   }
-  const unsigned long long c1 = clock64(), t1 = gtimer();
+  const unsigned long long c1 = clock64(), t1 = global_ns();
   if (threadIdx.x == 0) {
     out[blockIdx.x * 2] = c1 - c0;
     out[blockIdx.x * 2 + 1] = t1 - t0;
@@ -81,47 +78,44 @@ __global__ void __launch_bounds__(512, 1) probe(int iters, int alu, int mma_per_
 }
 
 template <int K>
-int run(const char* name, int iters, int alu, int mma, unsigned long long* out, float* sink) {
-  const int blocks = 132;
-  probe<K><<<blocks, 512>>>(iters / 10, alu, mma, 1.f, out, sink);  // warm-up
+void run(const char* name, int iters, int alu, int mma, unsigned long long* out, float* sink) {
+  probe<K><<<kBlocks, kThreads>>>(iters / 10, alu, mma, 1.f, out, sink);  // warm-up
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  probe<K><<<blocks, 512>>>(iters, alu, mma, 1.f, out, sink);
+  probe<K><<<kBlocks, kThreads>>>(iters, alu, mma, 1.f, out, sink);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  std::vector<unsigned long long> h(blocks * 2);
+  std::vector<unsigned long long> h(kBlocks * 2);
   CHECK(cudaMemcpy(h.data(), out, h.size() * 8, cudaMemcpyDeviceToHost));
   std::vector<double> ghz;
   double ms = 0;
-  for (int i = 0; i < blocks; ++i) {
+  for (int i = 0; i < kBlocks; ++i) {
     ghz.push_back(static_cast<double>(h[2 * i]) / static_cast<double>(h[2 * i + 1]));
     ms = std::max(ms, h[2 * i + 1] / 1e6);
   }
   std::sort(ghz.begin(), ghz.end());
   std::printf("%-34s alu %5d mma/warp %3d: SM clock %.3f GHz (min %.3f, max %.3f), %.0f ms\n", name,
-              alu, mma, ghz[blocks / 2], ghz.front(), ghz.back(), ms);
-  return 0;
+              alu, mma, ghz[kBlocks / 2], ghz.front(), ghz.back(), ms);
 }
 
 int main() {
   unsigned long long* out;
   float* sink;
-  CHECK(cudaMalloc(&out, 132 * 2 * 8));
-  CHECK(cudaMalloc(&sink, 512 * 4));
+  CHECK(cudaMalloc(&out, kBlocks * 2 * 8));
+  CHECK(cudaMalloc(&sink, kThreads * 4));
   const int iters = 100000, alu = 1000;
   // ~4 FMA cycles each, 4 warps per scheduler: ~4000 cycles of FMAs per iteration and warp.
-  int rc = 0;
   for (int round = 0; round < 2; ++round) {
-    rc |= run<0>("none (FMAs only)", iters, alu, 0, out, sink);
-    rc |= run<1>("f16 -> f32, m16n8k16", iters, alu, 18, out, sink);
-    rc |= run<1>("f16 -> f32, m16n8k16, 1 per iter", iters, alu, 1, out, sink);
-    rc |= run<2>("f16 -> f32, m16n8k8", iters, alu, 18, out, sink);
-    rc |= run<3>("bf16 -> f32, m16n8k16", iters, alu, 18, out, sink);
-    rc |= run<4>("tf32 -> f32, m16n8k8", iters, alu, 18, out, sink);
-    rc |= run<5>("s8 -> s32, m16n8k32", iters, alu, 18, out, sink);
-    rc |= run<6>("f16 -> f16, m16n8k16", iters, alu, 18, out, sink);
-    rc |= run<7>("f64, m8n8k4 (DMMA)", iters, alu, 18, out, sink);
-    rc |= run<1>("f16 -> f32, m16n8k16, dense", iters, 10, 18, out, sink);
+    run<0>("none (FMAs only)", iters, alu, 0, out, sink);
+    run<1>("f16 -> f32, m16n8k16", iters, alu, 18, out, sink);
+    run<1>("f16 -> f32, m16n8k16, 1 per iter", iters, alu, 1, out, sink);
+    run<2>("f16 -> f32, m16n8k8", iters, alu, 18, out, sink);
+    run<3>("bf16 -> f32, m16n8k16", iters, alu, 18, out, sink);
+    run<4>("tf32 -> f32, m16n8k8", iters, alu, 18, out, sink);
+    run<5>("s8 -> s32, m16n8k32", iters, alu, 18, out, sink);
+    run<6>("f16 -> f16, m16n8k16", iters, alu, 18, out, sink);
+    run<7>("f64, m8n8k4 (DMMA)", iters, alu, 18, out, sink);
+    run<1>("f16 -> f32, m16n8k16, dense", iters, 10, 18, out, sink);
   }
-  return rc;
+  return 0;
 }

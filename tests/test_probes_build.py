@@ -1,7 +1,6 @@
 """The standalone GPU probes in benchmarks/ still build with the flags benchmarks/gpu_check.sh
-uses. step_probe.cu, exchange_probe.cu and cluster_reg_probe.cu include csrc/cuda/*.cuh, so a
-kernel change can break them without any package test noticing, and a broken probe would only
-show on the GPU machine; mma_clock_probe.cu stands alone. Needs nvcc (skipped without it);
+uses. They include csrc/cuda/*.cuh, so a kernel change can break them without any package test
+noticing, and a broken probe would only show on the GPU machine. Needs nvcc (skipped without it);
 builds for sm_90, as on the H200.
 """
 
