@@ -377,6 +377,23 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     for (int b = 0; b < nb; ++b) span.push_back((at(kT - 1, b, 4) - at(0, b, 4)) / 1000.0);
     std::printf(" | whole kernel %.1f us, step 0 .. %d %.1f us, launch + prologue + last step + tail %.1f us\n",
                 traced_ms * 1000.0, kT - 1, pct(span, 0.5), traced_ms * 1000.0 - pct(span, 0.5));
+    // How the steps' real periods spread (median over blocks of each step's period,
+    // steps 2 .. T-2, clock64 at the measured SM clock): does the mean sit above the median through a few slow steps or many?
+    std::vector<std::pair<double, int>> steps;
+    for (int st = 2; st + 1 < kT; ++st) {
+      std::vector<double> v;
+      for (int b = 0; b < nb; ++b) v.push_back((at(st + 1, b, 0) - at(st, b, 0)) / sm_ghz / 1000.0);
+      steps.push_back({pct(v, 0.5), st});
+    }
+    std::vector<double> per;
+    double sum = 0.0;
+    for (const auto& e : steps) { per.push_back(e.first); sum += e.first; }
+    std::sort(steps.begin(), steps.end());
+    std::printf("     real step periods (us): mean %.3f p10 %.3f p50 %.3f p90 %.3f p99 %.3f max %.3f | slowest:",
+                sum / per.size(), pct(per, 0.1), pct(per, 0.5), pct(per, 0.9), pct(per, 0.99), steps.back().first);
+    for (size_t i = 0; i < 8 && i < steps.size(); ++i)
+      std::printf(" %d:%.2f", steps[steps.size() - 1 - i].second, steps[steps.size() - 1 - i].first);
+    std::printf("\n");
   }
   std::fflush(stdout);
   for (void* d : {const_cast<void*>(p.xp), const_cast<void*>(static_cast<const void*>(p.lengths)),
