@@ -393,6 +393,26 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
                 sum / per.size(), pct(per, 0.1), pct(per, 0.5), pct(per, 0.9), pct(per, 0.99), steps.back().first);
     for (size_t i = 0; i < 8 && i < steps.size(); ++i)
       std::printf(" %d:%.2f", steps[steps.size() - 1 - i].second, steps[steps.size() - 1 - i].first);
+    // Which block published last the h that a step gathers (%globaltimer at its update done of
+    // the step before), over all steps and over the slowest tenth: one late block every time
+    // would point at its share of the work.
+    auto last_publishers = [&](size_t from) {
+      std::vector<int> count(nb, 0);
+      for (size_t i = from; i < steps.size(); ++i) {
+        const int st = steps[i].second;
+        int arg = 0;
+        for (int b = 1; b < nb; ++b) arg = at(st - 1, b, 7) > at(st - 1, arg, 7) ? b : arg;
+        ++count[arg];
+      }
+      std::vector<std::pair<int, int>> top;
+      for (int b = 0; b < nb; ++b) top.push_back({count[b], b});
+      std::sort(top.rbegin(), top.rend());
+      for (int i = 0; i < 5; ++i) std::printf(" %d:%d", top[i].second, top[i].first);
+    };
+    std::printf("\n     last publisher (block:steps), all %zu steps:", steps.size());
+    last_publishers(0);
+    std::printf(" | slowest %zu:", steps.size() / 10);
+    last_publishers(steps.size() - steps.size() / 10);
     std::printf("\n");
   }
   std::fflush(stdout);
