@@ -30,7 +30,8 @@
 // time from its update done to its next gather start), and for mode 0 the largest error of ys against a
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 // A second line splits the traced run by position: step periods in windows of the call, and
-// the launch + prologue + tail around the steps.
+// the launch + prologue + tail around the steps; a third gives the spread of the steps' real
+// periods and the slowest steps, a fourth the blocks that most often published last.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -377,8 +378,9 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     for (int b = 0; b < nb; ++b) span.push_back((at(kT - 1, b, 4) - at(0, b, 4)) / 1000.0);
     std::printf(" | whole kernel %.1f us, step 0 .. %d %.1f us, launch + prologue + last step + tail %.1f us\n",
                 traced_ms * 1000.0, kT - 1, pct(span, 0.5), traced_ms * 1000.0 - pct(span, 0.5));
-    // How the steps' real periods spread (median over blocks of each step's period,
-    // steps 2 .. T-2, clock64 at the measured SM clock): does the mean sit above the median through a few slow steps or many?
+    // How the steps' real periods spread (median over blocks of each step's period, steps
+    // 2 .. T-2, clock64 at the measured SM clock): is the mean above the median through a few
+    // slow steps or many?
     std::vector<std::pair<double, int>> steps;
     for (int st = 2; st + 1 < kT; ++st) {
       std::vector<double> v;
@@ -407,7 +409,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       std::vector<std::pair<int, int>> top;
       for (int b = 0; b < nb; ++b) top.push_back({count[b], b});
       std::sort(top.rbegin(), top.rend());
-      for (int i = 0; i < 5; ++i) std::printf(" %d:%d", top[i].second, top[i].first);
+      for (int i = 0; i < 5 && i < nb; ++i) std::printf(" %d:%d", top[i].second, top[i].first);
     };
     std::printf("\n     last publisher (block:steps), all %zu steps:", steps.size());
     last_publishers(0);
