@@ -40,6 +40,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -387,14 +388,14 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       for (int b = 0; b < nb; ++b) v.push_back((at(st + 1, b, 0) - at(st, b, 0)) / sm_ghz / 1000.0);
       steps.push_back({pct(v, 0.5), st});
     }
-    std::vector<double> per;
-    double sum = 0.0;
-    for (const auto& e : steps) { per.push_back(e.first); sum += e.first; }
     std::sort(steps.begin(), steps.end());
+    std::vector<double> per;
+    for (const auto& e : steps) per.push_back(e.first);
     std::printf("     real step periods (us): mean %.3f p10 %.3f p50 %.3f p90 %.3f p99 %.3f max %.3f | slowest:",
-                sum / per.size(), pct(per, 0.1), pct(per, 0.5), pct(per, 0.9), pct(per, 0.99), steps.back().first);
-    for (size_t i = 0; i < 8 && i < steps.size(); ++i)
-      std::printf(" %d:%.2f", steps[steps.size() - 1 - i].second, steps[steps.size() - 1 - i].first);
+                std::accumulate(per.begin(), per.end(), 0.0) / per.size(), pct(per, 0.1), pct(per, 0.5),
+                pct(per, 0.9), pct(per, 0.99), per.back());
+    for (auto e = steps.rbegin(); e != steps.rend() && e - steps.rbegin() < 8; ++e)
+      std::printf(" %d:%.2f", e->second, e->first);
     // Which block published last the h that a step gathers (%globaltimer at its update done of
     // the step before), over all steps and over the slowest tenth: one late block every time
     // would point at its share of the work.
