@@ -31,7 +31,8 @@
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 // A second line splits the traced run by position: step periods in windows of the call, and
 // the launch + prologue + tail around the steps; a third gives the spread of the steps' real
-// periods and the slowest steps, a fourth the blocks that most often published last.
+// periods and the slowest steps, a fourth the SM clock of the slowest steps against the rest,
+// a fifth the blocks that most often published last.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -412,10 +413,30 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       std::sort(top.rbegin(), top.rend());
       for (int i = 0; i < 5 && i < nb; ++i) std::printf(" %d:%d", top[i].second, top[i].first);
     };
+    // The SM clock within each step (clock64 cycles per %globaltimer ns over the step, median
+    // over blocks), the slowest tenth against the rest: do the slow steps run at a lower clock
+    // (power management), or at the same clock and wait longer?
+    auto step_clocks = [&](size_t from, size_t to) {
+      std::vector<double> v;
+      for (size_t i = from; i < to; ++i) {
+        const int st = steps[i].second;
+        std::vector<double> per_block;
+        for (int b = 0; b < nb; ++b)
+          per_block.push_back(static_cast<double>(at(st + 1, b, 0) - at(st, b, 0)) /
+                              static_cast<double>(at(st + 1, b, 4) - at(st, b, 4)));
+        v.push_back(pct(per_block, 0.5));
+      }
+      return v;
+    };
+    const size_t tenth = steps.size() - steps.size() / 10;
+    std::vector<double> fast_ghz = step_clocks(0, tenth), slow_ghz = step_clocks(tenth, steps.size());
+    std::printf("\n     step clock (GHz, p10/p50/p90 over steps): slowest %zu %.3f/%.3f/%.3f, the rest %.3f/%.3f/%.3f",
+                steps.size() - tenth, pct(slow_ghz, 0.1), pct(slow_ghz, 0.5), pct(slow_ghz, 0.9),
+                pct(fast_ghz, 0.1), pct(fast_ghz, 0.5), pct(fast_ghz, 0.9));
     std::printf("\n     last publisher (block:steps), all %zu steps:", steps.size());
     last_publishers(0);
     std::printf(" | slowest %zu:", steps.size() / 10);
-    last_publishers(steps.size() - steps.size() / 10);
+    last_publishers(tenth);
     std::printf("\n");
   }
   std::fflush(stdout);
