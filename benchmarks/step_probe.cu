@@ -428,15 +428,15 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       }
       return v;
     };
-    const size_t tenth = steps.size() - steps.size() / 10;
-    std::vector<double> fast_ghz = step_clocks(0, tenth), slow_ghz = step_clocks(tenth, steps.size());
+    const size_t slowest_from = steps.size() - steps.size() / 10;
+    std::vector<double> rest_ghz = step_clocks(0, slowest_from), slow_ghz = step_clocks(slowest_from, steps.size());
     std::printf("\n     step clock (GHz, p10/p50/p90 over steps): slowest %zu %.3f/%.3f/%.3f, the rest %.3f/%.3f/%.3f",
-                steps.size() - tenth, pct(slow_ghz, 0.1), pct(slow_ghz, 0.5), pct(slow_ghz, 0.9),
-                pct(fast_ghz, 0.1), pct(fast_ghz, 0.5), pct(fast_ghz, 0.9));
+                steps.size() - slowest_from, pct(slow_ghz, 0.1), pct(slow_ghz, 0.5), pct(slow_ghz, 0.9),
+                pct(rest_ghz, 0.1), pct(rest_ghz, 0.5), pct(rest_ghz, 0.9));
     std::printf("\n     last publisher (block:steps), all %zu steps:", steps.size());
     last_publishers(0);
     std::printf(" | slowest %zu:", steps.size() / 10);
-    last_publishers(tenth);
+    last_publishers(slowest_from);
     std::printf("\n");
   }
   std::fflush(stdout);
