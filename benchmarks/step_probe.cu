@@ -296,6 +296,9 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
   std::vector<unsigned long long> tr(static_cast<size_t>(kT) * nb * 8);
   CHECK(cudaMemcpy(tr.data(), trace, tr.size() * 8, cudaMemcpyDeviceToHost));
   auto at = [&](int s, int b, int k) { return tr[(static_cast<size_t>(s) * nb + b) * 8 + k]; };
+  // Step s's period on block b, from its gather start to the next: clock64 cycles, %globaltimer ns.
+  auto step_cycles = [&](int s, int b) { return static_cast<double>(at(s + 1, b, 0) - at(s, b, 0)); };
+  auto step_ns = [&](int s, int b) { return static_cast<double>(at(s + 1, b, 4) - at(s, b, 4)); };
   std::vector<double> gather, rows, update, top, period, spread1, lag, wait_last;
   for (int s = 2; s + 1 < kT; ++s) {
     unsigned long long t3max = 0, t1min = ~0ull, t1max = 0;
@@ -304,7 +307,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       rows.push_back((at(s, b, 2) - at(s, b, 1)) / clock_ghz / 1000.0);
       update.push_back((at(s, b, 3) - at(s, b, 2)) / clock_ghz / 1000.0);
       top.push_back((at(s + 1, b, 0) - at(s, b, 3)) / clock_ghz / 1000.0);  // the next step's start
-      period.push_back((at(s + 1, b, 0) - at(s, b, 0)) / clock_ghz / 1000.0);
+      period.push_back(step_cycles(s, b) / clock_ghz / 1000.0);
       t3max = std::max(t3max, at(s, b, 7));
       t1min = std::min(t1min, at(s + 1, b, 5));
       t1max = std::max(t1max, at(s + 1, b, 5));
@@ -373,7 +376,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     for (size_t w = 0; w + 1 < std::size(win); ++w) {
       std::vector<double> v;
       for (int st = win[w]; st < win[w + 1]; ++st)
-        for (int b = 0; b < nb; ++b) v.push_back((at(st + 1, b, 0) - at(st, b, 0)) / clock_ghz / 1000.0);
+        for (int b = 0; b < nb; ++b) v.push_back(step_cycles(st, b) / clock_ghz / 1000.0);
       std::printf(" | steps %d-%d %.3f", win[w], win[w + 1] - 1, pct(v, 0.5));
     }
     std::vector<double> span;
@@ -386,7 +389,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     std::vector<std::pair<double, int>> steps;
     for (int st = 2; st + 1 < kT; ++st) {
       std::vector<double> v;
-      for (int b = 0; b < nb; ++b) v.push_back((at(st + 1, b, 0) - at(st, b, 0)) / sm_ghz / 1000.0);
+      for (int b = 0; b < nb; ++b) v.push_back(step_cycles(st, b) / sm_ghz / 1000.0);
       steps.push_back({pct(v, 0.5), st});
     }
     std::sort(steps.begin(), steps.end());
@@ -421,21 +424,19 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
       for (size_t i = from; i < to; ++i) {
         const int st = steps[i].second;
         std::vector<double> per_block;
-        for (int b = 0; b < nb; ++b)
-          per_block.push_back(static_cast<double>(at(st + 1, b, 0) - at(st, b, 0)) /
-                              static_cast<double>(at(st + 1, b, 4) - at(st, b, 4)));
+        for (int b = 0; b < nb; ++b) per_block.push_back(step_cycles(st, b) / step_ns(st, b));
         v.push_back(pct(per_block, 0.5));
       }
       return v;
     };
-    const size_t slowest_from = steps.size() - steps.size() / 10;
+    const size_t slowest = steps.size() / 10, slowest_from = steps.size() - slowest;
     std::vector<double> rest_ghz = step_clocks(0, slowest_from), slow_ghz = step_clocks(slowest_from, steps.size());
     std::printf("\n     step clock (GHz, p10/p50/p90 over steps): slowest %zu %.3f/%.3f/%.3f, the rest %.3f/%.3f/%.3f",
-                steps.size() - slowest_from, pct(slow_ghz, 0.1), pct(slow_ghz, 0.5), pct(slow_ghz, 0.9),
+                slowest, pct(slow_ghz, 0.1), pct(slow_ghz, 0.5), pct(slow_ghz, 0.9),
                 pct(rest_ghz, 0.1), pct(rest_ghz, 0.5), pct(rest_ghz, 0.9));
     std::printf("\n     last publisher (block:steps), all %zu steps:", steps.size());
     last_publishers(0);
-    std::printf(" | slowest %zu:", steps.size() / 10);
+    std::printf(" | slowest %zu:", slowest);
     last_publishers(slowest_from);
     std::printf("\n");
   }
