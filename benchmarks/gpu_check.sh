@@ -4,7 +4,7 @@
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
-#                            probe-profile|exchange|cluster-reg|mma-clock|trace|all]
+#                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|trace|all]
 #                                                                       (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
@@ -18,6 +18,8 @@
 # exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
+# l1-gather: benchmarks/l1_gather_probe.cu (the gather's bytes through weak loads after an L1
+#   invalidation against the kernel's strong loads) for L1_GATHER_CONFIGS.
 # mma-clock: benchmarks/mma_clock_probe.cu (the SM clock while each tensor-core instruction kind
 #   runs).
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
@@ -71,6 +73,14 @@ if [ "$MODE" = exchange ]; then  # benchmarks/exchange_probe.cu: the L2 exchange
   "${PROBE_NVCC[@]}" benchmarks/exchange_probe.cu -o /tmp/exchange_probe || exit 1
   for cfg in ${EXCHANGE_CONFIGS:-132:384:2000:4 132:384:2000:16 132:384:2000:20 132:384:2000:36 132:384:2000:72 132:384:2000:20:1 66:384:2000:72}; do  # blocks:threads:steps:words:flagged
     timeout 120 /tmp/exchange_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/exchange.txt" | grep -v "partner block"
+  done
+  exit 0
+fi
+if [ "$MODE" = l1-gather ]; then  # benchmarks/l1_gather_probe.cu: weak loads after an L1 invalidation
+  "${PROBE_NVCC[@]}" benchmarks/l1_gather_probe.cu -o /tmp/l1_gather_probe || exit 1
+  # part:blocks:threads:steps:bytes_or_words:load:inval (see the probe's header)
+  for cfg in ${L1_GATHER_CONFIGS:-1:132:512:2000:46080:0:0 1:132:512:2000:46080:1:1 2:132:512:2000:88:0:0 2:132:512:2000:88:1:1}; do
+    timeout 60 /tmp/l1_gather_probe ${cfg//:/ } 2>&1 | tee -a "$OUT/l1_gather.txt"
   done
   exit 0
 fi

@@ -30,6 +30,7 @@ PROBES = {
     "step_probe": ("step_probe", ["-DSPRNN_STEP_PROBE", "-DSPRNN_PROBE_FIXED_MODE=0"]),
     "step_probe_runtime_mode": ("step_probe", ["-DSPRNN_STEP_PROBE"]),
     "exchange_probe": ("exchange_probe", []),
+    "l1_gather_probe": ("l1_gather_probe", []),
     "cluster_reg_probe": ("cluster_reg_probe", []),
     "mma_clock_probe": ("mma_clock_probe", []),
 }
