@@ -22,7 +22,7 @@
 // Prints us/step (median and max over blocks) and, in part 2, poll rounds per batch and step.
 // Measured (NOTES.md, session 40): no. Part 1 takes 46 KB in 0.915-0.918 us/step with every load
 // form and L1 policy (~25 bytes per clock per SM, 66 blocks as fast as 132); part 2's weak first
-// rounds need more re-polls and are 2-13% slower (the kernel's A/B: ReLU H=5760 4.01 -> 4.06).
+// rounds need more re-polls and are 2-18% slower (the kernel's A/B: ReLU H=5760 4.01 -> 4.06).
 // Each block asks for 200 KB of shared memory, as the big layers' kernel does, so the L1 has only
 // what is left of the SM's 256 KB. Every wait is bounded (a stuck run prints TIMEOUT).
 #include <cuda_runtime.h>
