@@ -43,22 +43,19 @@ constexpr long long kMaxSpins = 1ll << 22;
 constexpr int kItemsPerThread = 8;  // 16-byte items in flight per thread, as the deep gather
 constexpr int kSmemBytes = 200 * 1024;
 
+// One 16-byte load of the form kLoad (the header's `load`).
 template <int kLoad>
 __device__ __forceinline__ uint4 load16(const uint4* p) {
+  static_assert(kLoad >= 0 && kLoad < 4, "load form");
   uint4 r;
-  if constexpr (kLoad == 0) {
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  } else if constexpr (kLoad == 1) {
-    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  } else if constexpr (kLoad == 2) {
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  } else {
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  }
+#define SPRNN_LOAD16(OP)                                                                  \
+  asm volatile(OP ".v4.u32 {%0,%1,%2,%3}, [%4];"                                          \
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory")
+  if constexpr (kLoad == 0) SPRNN_LOAD16("ld.relaxed.gpu.global");
+  if constexpr (kLoad == 1) SPRNN_LOAD16("ld.global");
+  if constexpr (kLoad == 2) SPRNN_LOAD16("ld.global.L1::no_allocate");
+  if constexpr (kLoad == 3) SPRNN_LOAD16("ld.global.nc");
+#undef SPRNN_LOAD16
   return r;
 }
 
@@ -156,19 +153,14 @@ all_to_all(unsigned* words, int steps, int wpb, int inval, const unsigned* dummy
   if (sink == 0xdeadbeef) abort[1] = 1;
 }
 
-template <class Kernel>
-void prepare(Kernel fn) {
-  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-}
-
 int main(int argc, char** argv) {
   if (argc != 8) {
     std::fprintf(stderr, "usage: %s part blocks threads steps bytes_or_words load inval\n", argv[0]);
     return 2;
   }
   const int part = std::atoi(argv[1]), nb = std::atoi(argv[2]), threads = std::atoi(argv[3]);
-  const int steps = std::atoi(argv[4]), size = std::atoi(argv[5]), load = std::atoi(argv[6]);
-  const int inval = std::atoi(argv[7]);
+  const int load = std::atoi(argv[6]);
+  int steps = std::atoi(argv[4]), size = std::atoi(argv[5]), inval = std::atoi(argv[7]);  // kernel args
   if (part < 1 || part > 2 || load < 0 || load > (part == 1 ? 3 : 2) || inval < 0 || inval > 3 ||
       nb < 1 || threads < 32 || threads > 512 || steps < 1 || size < 4 || size % 4 != 0) {
     std::fprintf(stderr, "bad arguments (see the header)\n");
@@ -179,7 +171,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%lld bytes per step do not fit the %d-byte tile\n", bytes, kSmemBytes);
     return 2;
   }
-  const int nitems = static_cast<int>(bytes / 16);
+  int nitems = static_cast<int>(bytes / 16);
   uint4* buf;
   unsigned* dummy;
   unsigned long long *ns, *rounds;
@@ -195,11 +187,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
 
   const void* fn = nullptr;
-  void* args1[] = {&buf, const_cast<int*>(&nitems), const_cast<int*>(&steps), const_cast<int*>(&inval),
-                   &dummy, &ns, &abort};
+  void* args1[] = {&buf, &nitems, &steps, &inval, &dummy, &ns, &abort};
   unsigned* words = reinterpret_cast<unsigned*>(buf);
-  void* args2[] = {&words, const_cast<int*>(&steps), const_cast<int*>(&size), const_cast<int*>(&inval),
-                   &dummy, &ns, &rounds, &abort};
+  void* args2[] = {&words, &steps, &size, &inval, &dummy, &ns, &rounds, &abort};
   if (part == 1) {
     const void* fns[] = {reinterpret_cast<const void*>(read_all<0>), reinterpret_cast<const void*>(read_all<1>),
                          reinterpret_cast<const void*>(read_all<2>), reinterpret_cast<const void*>(read_all<3>)};
@@ -210,7 +200,7 @@ int main(int argc, char** argv) {
                          reinterpret_cast<const void*>(all_to_all<2>)};
     fn = fns[load];
   }
-  prepare(fn);
+  CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   int per_sm = 0;
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, kSmemBytes));
   int sms = 0;
