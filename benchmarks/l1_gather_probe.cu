@@ -181,8 +181,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&dummy, 128));
   CHECK(cudaMemset(dummy, 0, 128));
   CHECK(cudaMalloc(&ns, nb * sizeof(unsigned long long)));
-  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));
-  CHECK(cudaMemset(rounds, 0, sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&rounds, sizeof(unsigned long long)));  // zeroed before each launch
   CHECK(cudaMalloc(&abort, 2 * sizeof(int)));
   CHECK(cudaMemset(abort, 0, 2 * sizeof(int)));
 
