@@ -126,7 +126,7 @@ cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" &&
 if [ "$MODE" = verify ]; then
   # The whole GPU kernel test file in thirteen concurrent processes (their time is mostly JAX
   # compiling on the host), then the targets table (BENCH_ARGS=none: tests only). The slowest
-  # part took 425 s in session 46: TEST_TIMEOUT's default leaves room for it and the build.
+  # part took 432 s in session 46: TEST_TIMEOUT's default leaves room for it and the build.
   REPO="$(pwd)"
   parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
          "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
