@@ -9,7 +9,7 @@
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
 # verify: the GPU kernel tests (thirteen processes), then bench_gpu.py $BENCH_ARGS (--targets;
-#   none = tests only).
+#   none = tests only). Exits 1 when a test part fails or is cut by TEST_TIMEOUT (default 470 s).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
@@ -127,7 +127,7 @@ if [ "$MODE" = verify ]; then
   # The whole GPU kernel test file in thirteen concurrent processes (their time is mostly JAX
   # compiling on the host), then the targets table (BENCH_ARGS=none: tests only). The slowest
   # part took 432 s in session 46: TEST_TIMEOUT's default leaves room for it and the build.
-  REPO="$(pwd)"
+  REPO="$(pwd)"; pids=()
   parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
          "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
          "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and offset_words"
@@ -136,17 +136,24 @@ if [ "$MODE" = verify ]; then
          "test_nan_reaches_every_later_step or test_large_batch"
          "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster or test_reg_weights or test_rows_from_l2 or test_relu_sign_tagged or test_column_words or test_nan_reaches_every_later_step or test_large_batch)")
   for i in "${!parts[@]}"; do
+    # A part cut by the timeout says so on its last line (pytest's own would be a row of dots).
     (cd /tmp && timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q -p no:cacheprovider \
-       "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1) &
+       "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1
+     rc=$?; [ $rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "${TEST_TIMEOUT:-470}" >> "$OUT/test_gpu_$i.log"
+     exit $rc) &
+    pids+=($!)
   done
-  wait
+  tests_rc=0
+  for pid in "${pids[@]}"; do wait "$pid" || tests_rc=1; done
   # One summary file (only 8 files come back from a device call) and printed last as well.
   for f in "$OUT"/test_gpu_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done > "$OUT/summary_tests.txt"
+  [ $tests_rc -ne 0 ] && echo "SOME GPU TEST PART FAILED OR WAS CUT" >> "$OUT/summary_tests.txt"
   cat "$OUT/summary_tests.txt"
   if [ "${BENCH_ARGS:-}" != none ]; then
     timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
     cat "$OUT/summary_tests.txt"
   fi
+  exit $tests_rc
 fi
 if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
   timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -40
