@@ -8,8 +8,9 @@
 #                                                                       (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
-# verify: the GPU kernel tests (thirteen processes), then bench_gpu.py $BENCH_ARGS (--targets;
-#   none = tests only). Exits 1 when a test part fails or is cut by TEST_TIMEOUT (default 470 s).
+# verify: the GPU kernel tests (TEST_WORKERS=14 pytest-xdist workers), then bench_gpu.py
+#   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
+#   cut by TEST_TIMEOUT (default 470 s).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
@@ -124,30 +125,19 @@ if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
 if [ "$MODE" = verify ]; then
-  # The whole GPU kernel test file in thirteen concurrent processes (their time is mostly JAX
-  # compiling on the host), then the targets table (BENCH_ARGS=none: tests only). The slowest
-  # part took 432 s in session 46: TEST_TIMEOUT's default leaves room for it and the build.
-  REPO="$(pwd)"; pids=()
-  parts=("(test_kernel_matches_oracle and rnn) or test_deep_gather"
-         "test_kernel_matches_oracle and lstm" "test_kernel_matches_oracle and gru"
-         "test_two_rows or test_batch_groups" "test_cluster" "test_reg_weights and offset_words"
-         "test_reg_weights and float_words" "test_rows_from_l2" "test_relu_sign_tagged"
-         "test_reg_weights and column_words" "test_column_words"
-         "test_nan_reaches_every_later_step or test_large_batch"
-         "not (test_kernel_matches_oracle or test_deep_gather or test_two_rows or test_batch_groups or test_cluster or test_reg_weights or test_rows_from_l2 or test_relu_sign_tagged or test_column_words or test_nan_reaches_every_later_step or test_large_batch)")
-  for i in "${!parts[@]}"; do
-    # A part cut by the timeout says so on its last line (pytest's own would be a row of dots).
-    (cd /tmp && timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q -p no:cacheprovider \
-       "$REPO/tests/test_gpu_kernel.py" -k "${parts[$i]}" > "$OUT/test_gpu_$i.log" 2>&1
-     rc=$?; [ $rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "${TEST_TIMEOUT:-470}" >> "$OUT/test_gpu_$i.log"
-     exit $rc) &
-    pids+=($!)
-  done
-  tests_rc=0
-  for pid in "${pids[@]}"; do wait "$pid" || tests_rc=1; done
-  # One summary file (only 8 files come back from a device call) and printed last as well.
-  for f in "$OUT"/test_gpu_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done > "$OUT/summary_tests.txt"
-  [ $tests_rc -ne 0 ] && echo "SOME GPU TEST PART FAILED OR WAS CUT" >> "$OUT/summary_tests.txt"
+  # The whole GPU kernel test file on TEST_WORKERS pytest-xdist workers (the GPU image has it),
+  # each taking the next test when it finishes. A test's time is mostly JAX compiling on the host,
+  # one core per process: thirteen fixed parts left the slowest at 450-470 s while others were
+  # done after 270 s (session 46). Then the targets table (BENCH_ARGS=none: tests only).
+  REPO="$(pwd)"
+  if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
+  (cd /tmp && timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q -p no:cacheprovider \
+     -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
+  tests_rc=$?
+  # A run cut by the timeout says so (pytest's own last line would be a row of dots).
+  [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "${TEST_TIMEOUT:-470}" >> "$OUT/test_gpu.log"
+  # The failures' short summary and the counts, printed last as well.
+  grep -E "^(FAILED|ERROR)|passed|failed|CUT by" "$OUT/test_gpu.log" | tail -n 40 > "$OUT/summary_tests.txt"
   cat "$OUT/summary_tests.txt"
   if [ "${BENCH_ARGS:-}" != none ]; then
     timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
