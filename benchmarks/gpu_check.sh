@@ -10,7 +10,8 @@
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
 # verify: the GPU kernel tests (TEST_WORKERS=14 pytest-xdist workers), then bench_gpu.py
 #   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
-#   cut by TEST_TIMEOUT (default 470 s).
+#   cut by TEST_TIMEOUT (default 470 s). The whole file takes 430-500 s of the call's ~490 after
+#   the build (session 46): TEST_SHARD=1/2, then 2/2 in a second call, runs half each.
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
@@ -129,10 +130,11 @@ if [ "$MODE" = verify ]; then
   # each taking the next test when it finishes. A test's time is mostly JAX compiling on the host,
   # one core per process: thirteen fixed parts left the slowest at 450-470 s while others were
   # done after 270 s (session 46). Then the targets table (BENCH_ARGS=none: tests only).
+  # TEST_SHARD=k/n: the k-th of n shards (tests/conftest.py), for a run over several calls.
   REPO="$(pwd)"
   if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
-  (cd /tmp && timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q -p no:cacheprovider \
-     -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
+  (cd /tmp && SPRNN_TEST_SHARD="${TEST_SHARD:-}" timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q \
+     -p no:cacheprovider -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
   tests_rc=$?
   # A run cut by the timeout says so (pytest's own last line would be a row of dots).
   [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "${TEST_TIMEOUT:-470}" >> "$OUT/test_gpu.log"

@@ -20,7 +20,24 @@ def has_gpu() -> bool:
         return False
 
 
+def keep_shard(config, items):
+    """SPRNN_TEST_SHARD=k/n keeps every n-th test from the k-th (1-based), so one GPU test run can
+    span several device calls (benchmarks/gpu_check.sh verify)."""
+    shard = os.environ.get("SPRNN_TEST_SHARD")
+    if not shard:
+        return
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"SPRNN_TEST_SHARD={shard!r}: expected k/n with 1 <= k <= n")
+    config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k - 1])
+    items[:] = [t for i, t in enumerate(items) if i % n == k - 1]
+
+
 def pytest_collection_modifyitems(config, items):
+    keep_shard(config, items)
     gpu = has_gpu()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     # They call the CPU FFI targets directly; CI (a CPU machine) runs them.
