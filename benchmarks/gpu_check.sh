@@ -10,8 +10,8 @@
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
 # verify: the GPU kernel tests (TEST_WORKERS=14 pytest-xdist workers), then bench_gpu.py
 #   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
-#   cut by TEST_TIMEOUT (default 470 s). The whole file takes 430-500 s of the call's ~490 after
-#   the build (session 46): TEST_SHARD=1/2, then 2/2 in a second call, runs half each.
+#   cut by TEST_TIMEOUT (default 470 s). The whole file needs 430-500 s, about what a 600-s call
+#   leaves after the build (90-130 s, session 46): TEST_SHARD=1/2, then 2/2 in a second call.
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
