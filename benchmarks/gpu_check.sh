@@ -133,8 +133,9 @@ if [ "$MODE" = verify ]; then
   # TEST_SHARD=k/n: the k-th of n shards (tests/conftest.py), for a run over several calls.
   REPO="$(pwd)"
   if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
+  # no:benchmark: the image's pytest-benchmark warns once per xdist worker (it does not time here).
   (cd /tmp && SPRNN_TEST_SHARD="${TEST_SHARD:-}" timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q \
-     -p no:cacheprovider -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
+     -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
   tests_rc=$?
   # A run cut by the timeout says so (pytest's own last line would be a row of dots).
   [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "${TEST_TIMEOUT:-470}" >> "$OUT/test_gpu.log"
