@@ -126,11 +126,11 @@ if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
 cd /tmp && $PY -c "import jax_sprnn._ffi as f; print(sorted(f.CUDA_TARGETS))" && cd - >/dev/null
 
 if [ "$MODE" = verify ]; then
-  # The whole GPU kernel test file on TEST_WORKERS pytest-xdist workers (the GPU image has it),
-  # each taking the next test when it finishes. A test's time is mostly JAX compiling on the host,
-  # one core per process: thirteen fixed parts left the slowest at 450-470 s while others were
-  # done after 270 s (session 46). Then the targets table (BENCH_ARGS=none: tests only).
-  # TEST_SHARD=k/n: the k-th of n shards (tests/conftest.py), for a run over several calls.
+  # The whole GPU kernel test file on TEST_WORKERS pytest-xdist workers (the GPU image has it):
+  # one log and no list of parts to keep in step with the tests. It is no faster than the fixed
+  # parts it replaced (430-500 s of host time, mostly JAX compiling, session 46), so
+  # TEST_SHARD=k/n (the k-th of n shards, tests/conftest.py) spreads a run over several calls.
+  # Then the targets table (BENCH_ARGS=none: tests only).
   REPO="$(pwd)"
   if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
   # no:benchmark: the image's pytest-benchmark warns once per xdist worker (it does not time here).

@@ -32,8 +32,11 @@ def keep_shard(config, items):
         k = n = 0
     if not 1 <= k <= n:
         raise pytest.UsageError(f"SPRNN_TEST_SHARD={shard!r}: expected k/n with 1 <= k <= n")
-    config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k - 1])
-    items[:] = [t for i, t in enumerate(items) if i % n == k - 1]
+    kept, dropped = [], []
+    for i, item in enumerate(items):
+        (kept if i % n == k - 1 else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 def pytest_collection_modifyitems(config, items):
