@@ -11,7 +11,7 @@
 # verify: the GPU kernel tests (TEST_WORKERS=14 pytest-xdist workers), then bench_gpu.py
 #   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
 #   cut by TEST_TIMEOUT (default 470 s). The whole file needs 430-500 s, about what a 600-s call
-#   leaves after the build (90-130 s, session 46): TEST_SHARD=1/2, then 2/2 in a second call.
+#   leaves after the build (90-140 s, sessions 46-47): TEST_SHARD=1/2, then 2/2 in a second call.
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
@@ -131,14 +131,14 @@ if [ "$MODE" = verify ]; then
   # parts it replaced (430-500 s of host time, mostly JAX compiling, session 46), so
   # TEST_SHARD=k/n (the k-th of n shards, tests/conftest.py) spreads a run over several calls.
   # Then the targets table (BENCH_ARGS=none: tests only).
-  REPO="$(pwd)"
+  REPO="$(pwd)"; test_timeout="${TEST_TIMEOUT:-470}"
   if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
   # no:benchmark: the image's pytest-benchmark warns once per xdist worker (it does not time here).
-  (cd /tmp && SPRNN_TEST_SHARD="${TEST_SHARD:-}" timeout "${TEST_TIMEOUT:-470}" $PY -m pytest -q \
+  (cd /tmp && SPRNN_TEST_SHARD="${TEST_SHARD:-}" timeout "$test_timeout" $PY -m pytest -q \
      -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
   tests_rc=$?
   # A run cut by the timeout says so (pytest's own last line would be a row of dots).
-  [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "${TEST_TIMEOUT:-470}" >> "$OUT/test_gpu.log"
+  [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "$test_timeout" >> "$OUT/test_gpu.log"
   # The failures' short summary and the counts, printed last as well.
   grep -E "^(FAILED|ERROR)|passed|failed|CUT by" "$OUT/test_gpu.log" | tail -n 40 > "$OUT/summary_tests.txt"
   cat "$OUT/summary_tests.txt"
