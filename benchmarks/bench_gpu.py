@@ -294,11 +294,16 @@ def fmt(x):
     return "—" if x is None else f"{x:.2f}"
 
 
-def time_knobs(f, xp, c0, knobs, row, T):
-    """us/step of f under each set of run-time knobs, into row[json of the knobs]."""
-    for kn in knobs:
-        with knobs_set(kn):
-            row[json.dumps(kn)] = timeit(f, xp, c0) / (K * T) * 1e6
+def time_knobs(f, xp, c0, knobs, row, T, rounds=3):
+    """us/step of f under each set of run-time knobs, into row[json of the knobs]: the median of
+    `rounds` rounds that each time every set in turn, so that the order does not favour a set
+    (timed one after another once each, two identical plans differed by 4%: NOTES.md, session 49)."""
+    times = {json.dumps(kn): [] for kn in knobs}
+    for _ in range(rounds):
+        for kn in knobs:
+            with knobs_set(kn):
+                times[json.dumps(kn)].append(timeit(f, xp, c0) / (K * T) * 1e6)
+    row.update({key: float(np.median(ts)) for key, ts in times.items()})
 
 
 def knob_table(res, lines, save, key, title, settings, configs, plan_of, T):
@@ -529,16 +534,24 @@ def main():
                          f"{r['best_peer']:.2f} |")
             save()
         # B=64: blocks (L2 reads of h per step scale with them), the needed-column filter and
-        # forced tiles (in turn, no batch groups), all read by the handler at each call.
+        # forced tiles (in turn, no batch groups), all read by the handler at each call. The
+        # filter exists in tiles >= 16 only, so it is timed off beside plans with such tiles
+        # (66 blocks: 4 groups of 16; forced tiles), not beside the default's tiles of 8.
+        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
         f, xp, c0 = kernel_call("rnn", "relu", 1152, 64, T, 0.1, jnp.float16)
         row = dict(cell="rnn", H=1152, B=64, density=0.1, sweep="b64_knobs")
         knobs = [{}, {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BLOCKS": "33"},
-                 {"SPRNN_CUDA_COL_FILTER": "0"}, {"SPRNN_CUDA_BLOCKS": "66", "SPRNN_CUDA_COL_FILTER": "0"},
-                 {"SPRNN_CUDA_BT": "32"}, {"SPRNN_CUDA_BT": "16"}]
+                 {"SPRNN_CUDA_BLOCKS": "66", "SPRNN_CUDA_COL_FILTER": "0"},
+                 {"SPRNN_CUDA_BT": "32"}, {"SPRNN_CUDA_BT": "32", "SPRNN_CUDA_COL_FILTER": "0"},
+                 {"SPRNN_CUDA_BT": "16"}]
         time_knobs(f, xp, c0, knobs, row, T)
         print(json.dumps(row), flush=True)
         res["batch_knobs"] = row
-        lines += ["", "B=64 knobs (us/step; {} = the default plan, 8 batch groups of 8 on 16 blocks each on the H200):", ""]
+        info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, int(0.1 * 1152 * 1152),
+                                  activation="relu")
+        lines += ["", f"B=64 knobs (us/step, median of 3 rounds; {{}} = the default plan, "
+                  f"{info['groups']} batch groups of {info['batch_tile']} on "
+                  f"{info['blocks'] // info['groups']} blocks each):", ""]
         lines += [f"- {k}: {v:.2f}" for k, v in row.items() if k.startswith("{")]
         save()
     if args.spread:
