@@ -69,6 +69,7 @@ from knobs import knobs_set  # noqa: E402
 
 K = 4          # recurrences per timed call
 REPS = 15
+KNOB_ROUNDS = 3  # rounds of every knob set in turn (time_knobs)
 # The per-call sync check on and off (the knob that turns it off): --spread and --overhead.
 SYNC_CHECK_ON_OFF = [("on", {}), ("off", {"SPRNN_CUDA_SYNC_CHECK": "0"})]
 
@@ -294,15 +295,15 @@ def fmt(x):
     return "—" if x is None else f"{x:.2f}"
 
 
-def time_knobs(f, xp, c0, knobs, row, T, rounds=3):
+def time_knobs(f, xp, c0, knobs, row, T):
     """us/step of f under each set of run-time knobs, into row[json of the knobs]: the median of
-    `rounds` rounds that each time every set in turn, so that the order does not favour a set
+    KNOB_ROUNDS rounds that each time every set in turn, so that the order does not favour a set
     (timed one after another once each, two identical plans differed by 4%: NOTES.md, session 49)."""
     times = {json.dumps(kn): [] for kn in knobs}
-    for _ in range(rounds):
-        for kn in knobs:
+    for _ in range(KNOB_ROUNDS):
+        for kn, ts in zip(knobs, times.values()):
             with knobs_set(kn):
-                times[json.dumps(kn)].append(timeit(f, xp, c0) / (K * T) * 1e6)
+                ts.append(timeit(f, xp, c0) / (K * T) * 1e6)
     row.update({key: float(np.median(ts)) for key, ts in times.items()})
 
 
@@ -549,7 +550,7 @@ def main():
         res["batch_knobs"] = row
         info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, int(0.1 * 1152 * 1152),
                                   activation="relu")
-        lines += ["", f"B=64 knobs (us/step, median of 3 rounds; {{}} = the default plan, "
+        lines += ["", f"B=64 knobs (us/step, median of {KNOB_ROUNDS} rounds; {{}} = the default plan, "
                   f"{info['groups']} batch groups of {info['batch_tile']} on "
                   f"{info['blocks'] // info['groups']} blocks each):", ""]
         lines += [f"- {k}: {v:.2f}" for k, v in row.items() if k.startswith("{")]
