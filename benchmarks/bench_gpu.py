@@ -64,6 +64,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jax_sprnn as sp  # noqa: E402
+from jax_sprnn.primitives import cuda_lowering  # noqa: E402
 from jax_sprnn.primitives.recurrence import GATES  # noqa: E402
 from knobs import knobs_set  # noqa: E402
 
@@ -184,6 +185,12 @@ def kernel_call(cell, act, H, B, T, density, dtype, variant=None):
     f, c0 = method_kernel(cell, act, sp.SparseWeights.from_dense(kernel, mask), xp, carry,
                           variant)
     return f, xp, c0
+
+
+def layer_plan(cell, act, H, B, density, dtype, **kw):
+    """The kernel's plan on this GPU for problem()'s layer (its expected nonzero count)."""
+    return cuda_lowering.plan(cell, dtype, H, B, int(round(density * GATES[cell] * H * H)),
+                              activation=act or "tanh", **kw)
 
 
 def config_name(cell, H, density, dtype):
@@ -310,13 +317,11 @@ def time_knobs(f, xp, c0, knobs, row, T):
 def knob_table(res, lines, save, key, title, settings, configs, plan_of, T):
     """A table of wall / kernel us/step, one row per config (cell, act, H, B, density, dtype),
     one column per named set of run-time knobs; `plan` = plan_of(the default plan)."""
-    from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
     lines += ["", title, "", "| layer | B | plan | " + " | ".join(settings) + " |",
               "|---|---|---|" + "---|" * len(settings)]
     for cell, act, H, B, d, dt in configs:
         f, xp, c0 = kernel_call(cell, act, H, B, T, d, dt)
-        info = cuda_lowering.plan(cell, dt, H, B, int(d * GATES[cell] * H * H),
-                                  activation=act or "tanh")
+        info = layer_plan(cell, act, H, B, d, dt)
         row = dict(cell=cell, H=H, B=B, density=d, dtype=jnp.dtype(dt).name, sweep=key,
                    plan=plan_of(info))
         for name, knobs in settings.items():
@@ -466,8 +471,6 @@ def main():
                     f"{r['best_peer_span'] / r['sparse_persistent_span']:.2f}x |")
             save()
     if args.cluster:
-        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
-
         lines += ["", "## Variant 3 (grid, Lamport) vs 5 (clusters), T=256, us/step", "",
                   "| config | B | knob | variant 3 | variant 5 | 5 vs 3 | target | plan of 5 |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -478,8 +481,7 @@ def main():
         configs += [("lstm", None, 1024, 0.1, jnp.float16, 4, 2.0, {"SPRNN_CUDA_CLUSTER": "8"})]
         for cell, act, H, d, dt, B, tgt, kn in configs:
             with knobs_set(kn):
-                nnz = int(round(d * H * GATES[cell] * H))
-                pl = cuda_lowering.plan(cell, dt, H, B, nnz, variant=5)
+                pl = layer_plan(cell, act, H, B, d, dt, variant=5)
                 if not pl["cluster"]:  # too large for one cluster: variant 5 would run 3
                     print(json.dumps(dict(cell=cell, H=H, density=d, B=B, skipped=pl["reason"])))
                     continue
@@ -538,7 +540,6 @@ def main():
         # forced tiles (in turn, no batch groups), all read by the handler at each call. The
         # filter exists in tiles >= 16 only, so it is timed off beside plans with such tiles
         # (66 blocks: 4 groups of 16; forced tiles), not beside the default's tiles of 8.
-        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
         f, xp, c0 = kernel_call("rnn", "relu", 1152, 64, T, 0.1, jnp.float16)
         row = dict(cell="rnn", H=1152, B=64, density=0.1, sweep="b64_knobs")
         knobs = [{}, {"SPRNN_CUDA_BLOCKS": "66"}, {"SPRNN_CUDA_BLOCKS": "33"},
@@ -548,8 +549,7 @@ def main():
         time_knobs(f, xp, c0, knobs, row, T)
         print(json.dumps(row), flush=True)
         res["batch_knobs"] = row
-        info = cuda_lowering.plan("rnn", jnp.float16, 1152, 64, int(0.1 * 1152 * 1152),
-                                  activation="relu")
+        info = layer_plan("rnn", "relu", 1152, 64, 0.1, jnp.float16)
         lines += ["", f"B=64 knobs (us/step, median of {KNOB_ROUNDS} rounds; {{}} = the default plan, "
                   f"{info['groups']} batch groups of {info['batch_tile']} on "
                   f"{info['blocks'] // info['groups']} blocks each):", ""]
@@ -653,15 +653,13 @@ def main():
             lines.append(f"- {name}: {us['return']:.1f} / {us['block']:.1f} / {us['spin']:.1f}")
             save()
     if args.deep:
-        from jax_sprnn.primitives import cuda_lowering  # noqa: PLC0415
         lines += ["", "## Deep gather off / on (B=4, ReLU d=10%, us/step; {} = default plan)", ""]
         for dt, Hs in [(jnp.float32, [1536, 2048, 2304, 3072, 4608]),
                        (jnp.float16, [4096, 4608])]:
             for H in Hs:
                 f, xp, c0 = kernel_call("rnn", "relu", H, 4, T, 0.1, dt)
                 row = dict(cell="rnn", H=H, density=0.1, dtype=jnp.dtype(dt).name, sweep="deep",
-                           plan_deep=cuda_lowering.plan(
-                               "rnn", dt, H, 4, int(0.1 * H * H), activation="relu")["deep_gather"])
+                           plan_deep=layer_plan("rnn", "relu", H, 4, 0.1, dt)["deep_gather"])
                 knobs = [{}, {"SPRNN_CUDA_DEEP_GATHER": "0"}, {"SPRNN_CUDA_DEEP_GATHER": "1"}]
                 time_knobs(f, xp, c0, knobs, row, T)
                 print(json.dumps(row), flush=True)
