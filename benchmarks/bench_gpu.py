@@ -306,11 +306,12 @@ def time_knobs(f, xp, c0, knobs, row, T):
     """us/step of f under each set of run-time knobs, into row[json of the knobs]: the median of
     KNOB_ROUNDS rounds that each time every set in turn, so that the order does not favour a set
     (timed one after another once each, two identical plans differed by 4%: NOTES.md, session 49)."""
-    times = {json.dumps(kn): [] for kn in knobs}
+    keys = [json.dumps(kn) for kn in knobs]
+    times = {key: [] for key in keys}
     for _ in range(KNOB_ROUNDS):
-        for kn, ts in zip(knobs, times.values()):
+        for kn, key in zip(knobs, keys):
             with knobs_set(kn):
-                ts.append(timeit(f, xp, c0) / (K * T) * 1e6)
+                times[key].append(timeit(f, xp, c0) / (K * T) * 1e6)
     row.update({key: float(np.median(ts)) for key, ts in times.items()})
 
 
