@@ -5,4 +5,5 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/setup_env.sh" test
 cd "$repo"
 echo "==> running the tests"
-"$venv/bin/pytest" tests "$@"
+# One worker per core (pytest-xdist); worksteal rebalances the long compile tests at the end.
+"$venv/bin/pytest" -n auto --dist worksteal tests "$@"

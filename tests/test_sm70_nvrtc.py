@@ -42,36 +42,37 @@ RELU = "kRnnRelu"  # ReLU's own wide builds (launch.cuh: sign-tagged exchange wo
 DTYPES = {d: (1, 2, 4, 8, 16, 32, 64) for d in ("kF32", "kBF16", "kF16")}
 
 
-def instantiations():
+def instantiations(cell):
+    """The instantiations of one cell: one NVRTC program per cell, so that the four compile in
+    parallel under pytest-xdist (all in one program took ~11 minutes on a slow 2-core machine)."""
     names = []
     words = "sprnn::cuda::Words::"
-    for cell in CELLS + [RELU]:
-        for dt, tiles in DTYPES.items():
-            # float32: float words; 16-bit: column words, and offset words for the tile-4
-            # builds of 4-byte words (launch.cuh)
-            fw = words + ("kFloat" if dt == "kF32" else "kColumn")
-            for bt in tiles:
+    for dt, tiles in DTYPES.items():
+        # float32: float words; 16-bit: column words, and offset words for the tile-4
+        # builds of 4-byte words (launch.cuh)
+        fw = words + ("kFloat" if dt == "kF32" else "kColumn")
+        for bt in tiles:
+            names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                         f"sprnn::cuda::DType::{dt}, {bt}, true, false, 0, {fw}>")
+        names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                     f"sprnn::cuda::DType::{dt}, 4, true, true, 0, {fw}>")  # deep gather
+        if dt != "kF32":  # register weights (launch.cuh: 16-bit), offset words
+            for w in ("kColumn", "kOffset", "kFloat"):
                 names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                             f"sprnn::cuda::DType::{dt}, {bt}, true, false, 0, {fw}>")
-            names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                         f"sprnn::cuda::DType::{dt}, 4, true, true, 0, {fw}>")  # deep gather
-            if dt != "kF32":  # register weights (launch.cuh: 16-bit), offset words
-                for w in ("kColumn", "kOffset", "kFloat"):
-                    names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                                 f"sprnn::cuda::DType::{dt}, 4, true, false, "
-                                 f"sprnn::cuda::kRegWeights, {words}{w}>")
-                for deep in ("false", "true"):
-                    names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                                 f"sprnn::cuda::DType::{dt}, 4, true, {deep}, 0, {words}kOffset>")
-            if cell == RELU:
-                continue  # the rest is built for kRnnTanh only
-            names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
-                         f"sprnn::cuda::DType::{dt}, 4, false>")
-            for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
-                names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
-                             f"sprnn::cuda::DType::{dt}, {bt}>")
-            for k in ("step_init", "step_fwd", "step_final"):
-                names.append(f"sprnn::cuda::{k}<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}>")
+                             f"sprnn::cuda::DType::{dt}, 4, true, false, "
+                             f"sprnn::cuda::kRegWeights, {words}{w}>")
+            for deep in ("false", "true"):
+                names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                             f"sprnn::cuda::DType::{dt}, 4, true, {deep}, 0, {words}kOffset>")
+        if cell == RELU:
+            continue  # the rest is built for kRnnTanh only
+        names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
+                     f"sprnn::cuda::DType::{dt}, 4, false>")
+        for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
+            names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
+                         f"sprnn::cuda::DType::{dt}, {bt}>")
+        for k in ("step_init", "step_fwd", "step_final"):
+            names.append(f"sprnn::cuda::{k}<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}>")
     return names
 
 
@@ -88,8 +89,8 @@ def _check(rc, prog=None):
         raise AssertionError(f"NVRTC error {msg}\n{log}")
 
 
-@pytest.mark.parametrize("arch", ["sm_70"])
-def test_kernel_core_compiles_for_sm70(arch):
+@pytest.mark.parametrize("cell", CELLS + [RELU])
+def test_kernel_core_compiles_for_sm70(cell):
     LIB.nvrtcGetErrorString.restype = ctypes.c_char_p
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(LIB.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)))
@@ -97,10 +98,10 @@ def test_kernel_core_compiles_for_sm70(arch):
     src = b'#include "cuda/kernel_core.cuh"\n#include "cuda/cluster_kernel.cuh"\n'
     prog = ctypes.c_void_p()
     _check(LIB.nvrtcCreateProgram(ctypes.byref(prog), src, b"sm70_check.cu", 0, None, None))
-    names = instantiations()
+    names = instantiations(cell)
     for n in names:
         _check(LIB.nvrtcAddNameExpression(prog, n.encode()))
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{CSRC}".encode(),
+    opts = [b"--gpu-architecture=sm_70", b"-std=c++17", f"-I{CSRC}".encode(),
             b"-default-device"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     _check(LIB.nvrtcCompileProgram(prog, len(opts), arr), prog)
