@@ -65,7 +65,7 @@ def instantiations(cell):
                 names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                              f"sprnn::cuda::DType::{dt}, 4, true, {deep}, 0, {words}kOffset>")
         if cell == RELU:
-            continue  # the rest is built for kRnnTanh only
+            continue  # ReLU runs kRnnTanh's naive, cluster and per-step builds
         names.append(f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, "
                      f"sprnn::cuda::DType::{dt}, 4, false>")
         for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
