@@ -4,6 +4,9 @@ import os
 
 # Must happen before JAX initializes its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# scripts/test.sh runs a pytest-xdist worker per core, and on a GPU machine they share the GPU:
+# none may take JAX's default 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
