@@ -48,19 +48,20 @@ def instantiations(cell):
     names = []
     words = "sprnn::cuda::Words::"
     for dt, tiles in DTYPES.items():
-        wide = f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}, "
+        persistent = f"sprnn::cuda::persistent_fwd<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}, "
         # float32: float words; 16-bit: column words, and offset words for the tile-4
         # builds of 4-byte words (launch.cuh)
         fw = words + ("kFloat" if dt == "kF32" else "kColumn")
-        names += [f"{wide}{bt}, true, false, 0, {fw}>" for bt in tiles]
-        names.append(f"{wide}4, true, true, 0, {fw}>")  # deep gather
+        names += [f"{persistent}{bt}, true, false, 0, {fw}>" for bt in tiles]
+        names.append(f"{persistent}4, true, true, 0, {fw}>")  # deep gather
         if dt != "kF32":  # register weights (launch.cuh: 16-bit), offset words
-            names += [f"{wide}4, true, false, sprnn::cuda::kRegWeights, {words}{w}>"
+            names += [f"{persistent}4, true, false, sprnn::cuda::kRegWeights, {words}{w}>"
                       for w in ("kColumn", "kOffset", "kFloat")]
-            names += [f"{wide}4, true, {deep}, 0, {words}kOffset>" for deep in ("false", "true")]
+            names += [f"{persistent}4, true, {deep}, 0, {words}kOffset>"
+                      for deep in ("false", "true")]
         if cell == RELU:
             continue  # ReLU runs kRnnTanh's naive, cluster and per-step builds
-        names.append(f"{wide}4, false>")
+        names.append(f"{persistent}4, false>")
         for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
             names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, {bt}>")
