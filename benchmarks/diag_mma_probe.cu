@@ -8,7 +8,9 @@
 //       k = the rows' next 16 nonzeros, each row its own columns; the sums are D[(b, r), r];
 //   2 = diagonal mma, 8 rows per pair of mma (one per batch pair): m = (row, batch 2p or 2p+1),
 //       n = row; 5 groups of 8 rows and 1 group of 4 (variant 1's code) make the block's 44;
-//   3 = variant 2's code on 48 rows (6 groups of 8), for its rate alone.
+//   3 = variant 2's code on 48 rows (6 groups of 8), for its rate alone;
+//   4-6 = variants 2 and 3 with the 8-row groups in rounds of 2 or 4 chunks (all words, then all
+//       h, then the mmas), as rows.cuh's rounds keep several loads in flight.
 // Masks are bank-balanced (every row holds 36 columns of each residue mod 16) and each variant
 // orders a row's nonzeros so that every 16-lane group of an 8-byte h load reads 16 distinct bank
 // pairs: the conflict-free bound (session 62: 4.04 us/step at this layer, 4.19 on random masks).
@@ -41,12 +43,6 @@ constexpr int kChunks = kLen / 16;  // 16 nonzeros of each row of a group per mm
 constexpr int kMaxRows = 48;
 using OffsetWord = RowWordT<DType::kF16, Words::kOffset>;
 
-// One variant's block layout: groups of kind 4 or 8 rows (kind 0: the CUDA-core rows).
-struct Layout {
-  int rows = 44;
-  std::vector<int> kinds;  // per group: 4 or 8 rows
-};
-
 // The residue a diagonal-mma lane (row q of its group, k-th nonzero of chunk c) must read so that
 // the 16 lanes of a half warp (4 rows x t = 0..3) hit 16 distinct bank pairs: row q takes the
 // residues 4 * ((q + c) % 4) + t, each four times a chunk; over four chunks, all 16.
@@ -73,21 +69,72 @@ __device__ __forceinline__ void chunk4(const uint4* w, const char* h_base, int g
                          __byte_perm(wd.z, wd.w, 0x5410) & keep);
 }
 
-// One chunk of an 8-row group: m = (row g, batch 2p) and (row g, batch 2p + 1), n = row.
-__device__ __forceinline__ void chunk8(const uint4* w, const char* h_base, int lane,
+// One chunk of an 8-row group: m = (row g, batch 2p) and (row g, batch 2p + 1), n = row. Split
+// into its loads and its mma so that a round can put several chunks' loads in flight first.
+struct Chunk8 {
+  uint4 wd;
+  uint2 h[4];
+  __device__ __forceinline__ void load_words(const uint4* w, int lane) { wd = w[lane]; }
+  __device__ __forceinline__ void load_h(const char* h_base) {
+    h[0] = h_at(h_base, wd.x), h[1] = h_at(h_base, wd.y), h[2] = h_at(h_base, wd.z),
+    h[3] = h_at(h_base, wd.w);
+  }
+  __device__ __forceinline__ void mma(float (&d0)[4], float (&d1)[4]) const {
+    const uint32_t b0 = __byte_perm(wd.x, wd.y, 0x5410), b1 = __byte_perm(wd.z, wd.w, 0x5410);
+    mma_16816<DType::kF16>(d0, __byte_perm(h[0].x, h[1].x, 0x5410),
+                           __byte_perm(h[0].x, h[1].x, 0x7632), __byte_perm(h[2].x, h[3].x, 0x5410),
+                           __byte_perm(h[2].x, h[3].x, 0x7632), b0, b1);
+    mma_16816<DType::kF16>(d1, __byte_perm(h[0].y, h[1].y, 0x5410),
+                           __byte_perm(h[0].y, h[1].y, 0x7632), __byte_perm(h[2].y, h[3].y, 0x5410),
+                           __byte_perm(h[2].y, h[3].y, 0x7632), b0, b1);
+  }
+};
+
+// kDepth = 0: one chunk after another (the compiler's unrolling); else rounds of kDepth chunks,
+// all words, then all h, then the mmas into two accumulator sets in turn.
+template <int kDepth>
+__device__ __forceinline__ void group8(const uint4* w, int n, const char* h_base, int lane,
                                        float (&d0)[4], float (&d1)[4]) {
-  const uint4 wd = w[lane];
-  const uint2 h0 = h_at(h_base, wd.x), h1 = h_at(h_base, wd.y), h2 = h_at(h_base, wd.z),
-              h3 = h_at(h_base, wd.w);
-  const uint32_t b0 = __byte_perm(wd.x, wd.y, 0x5410), b1 = __byte_perm(wd.z, wd.w, 0x5410);
-  mma_16816<DType::kF16>(d0, __byte_perm(h0.x, h1.x, 0x5410), __byte_perm(h0.x, h1.x, 0x7632),
-                         __byte_perm(h2.x, h3.x, 0x5410), __byte_perm(h2.x, h3.x, 0x7632), b0, b1);
-  mma_16816<DType::kF16>(d1, __byte_perm(h0.y, h1.y, 0x5410), __byte_perm(h0.y, h1.y, 0x7632),
-                         __byte_perm(h2.y, h3.y, 0x5410), __byte_perm(h2.y, h3.y, 0x7632), b0, b1);
+  if constexpr (kDepth == 0) {
+#pragma unroll 4
+    for (int i = 0; i < n; ++i, w += 32) {
+      Chunk8 c;
+      c.load_words(w, lane);
+      c.load_h(h_base);
+      c.mma(d0, d1);
+    }
+  } else {
+    float e0[4] = {}, e1[4] = {};
+    int i = 0;
+    for (; i + kDepth <= n; i += kDepth, w += 32 * kDepth) {
+      Chunk8 c[kDepth];
+#pragma unroll
+      for (int q = 0; q < kDepth; ++q) c[q].load_words(w + 32 * q, lane);
+#pragma unroll
+      for (int q = 0; q < kDepth; ++q) c[q].load_h(h_base);
+#pragma unroll
+      for (int q = 0; q < kDepth; ++q) {
+        if (q & 1) {
+          c[q].mma(e0, e1);
+        } else {
+          c[q].mma(d0, d1);
+        }
+      }
+    }
+    for (; i < n; ++i, w += 32) {
+      Chunk8 c;
+      c.load_words(w, lane);
+      c.load_h(h_base);
+      c.mma(d0, d1);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) d0[j] += e0[j], d1[j] += e1[j];
+  }
 }
 
 // The diagonal rows of a block: the groups' chunks dealt to the warps in contiguous ranges; a warp
 // adds its partial sums of a group into acc_s when it leaves the group.
+template <int kDepth>
 __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_s,
                           const int* wofs_s, const int* row0_s, int ngroups, float* acc_s) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5,
@@ -98,16 +145,16 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
     const int grp = it / kChunks, end = min(it1, (grp + 1) * kChunks), row0 = row0_s[grp];
     float d0[4] = {}, d1[4] = {};
     if (kind_s[grp] == 8) {
-      const uint4* w = w_s + wofs_s[grp] + (it - grp * kChunks) * 32;
-#pragma unroll 4
-      for (; it < end; ++it, w += 32) chunk8(w, h_base, lane, d0, d1);
+      group8<kDepth>(w_s + wofs_s[grp] + (it - grp * kChunks) * 32, end - it, h_base, lane, d0,
+                     d1);
+      it = end;
       if (t == g >> 1) {  // D[g][g] and D[g + 8][g]: row g, batches 2p and 2p + 1
         const int e = g & 1;
         float* a = acc_s + (row0 + g) * kB;
-        atomicAdd(a + 0, d0[e]);
-        atomicAdd(a + 1, d0[2 + e]);
-        atomicAdd(a + 2, d1[e]);
-        atomicAdd(a + 3, d1[2 + e]);
+        atomicAdd(a + 0, e ? d0[1] : d0[0]);
+        atomicAdd(a + 1, e ? d0[3] : d0[2]);
+        atomicAdd(a + 2, e ? d1[1] : d1[0]);
+        atomicAdd(a + 3, e ? d1[3] : d1[2]);
       }
     } else {
       const uint4* w = w_s + wofs_s[grp] + (it - grp * kChunks) * 16;
@@ -117,8 +164,8 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
       if (t == r >> 1) {  // D[b * 4 + r][r] for b = g >> 2 and b + 2
         const int e = r & 1;
         float* a = acc_s + (row0 + r) * kB + (g >> 2);
-        atomicAdd(a, d0[e]);
-        atomicAdd(a + 2, d0[2 + e]);
+        atomicAdd(a, e ? d0[1] : d0[0]);  // selects keep d0 in registers
+        atomicAdd(a + 2, e ? d0[3] : d0[2]);
       }
     }
   }
@@ -131,7 +178,7 @@ struct Stamp {
 // `iters` steps of one variant's rows; every step zeroes the sums first and writes them out after.
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
 // starts (variant 0).
-__global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uint32_t* words,
+__global__ void rows_kernel(bool diagonal, int depth, int iters, const uint16_t* h, const uint32_t* words,
                             const long long* block_word0, int nwords, const int* kinds,
                             int ngroups, float* out, Stamp* stamps) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -143,7 +190,7 @@ __global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uin
   const uint32_t* wg = words + block_word0[blockIdx.x];
   for (int i = threadIdx.x; i < nwords; i += blockDim.x) w_s[i] = wg[i];
   int rows = 0;
-  if (variant == 0) {
+  if (!diagonal) {
     rows = 44;
     for (int i = threadIdx.x; i <= rows; i += blockDim.x) tab_s[i] = i * kLen;
   } else if (threadIdx.x == 0) {
@@ -156,7 +203,7 @@ __global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uin
       row0 += kinds[q];
     }
   }
-  if (variant != 0) {
+  if (diagonal) {
     for (int q = 0; q < ngroups; ++q) rows += kinds[q];
   }
   __syncthreads();
@@ -168,12 +215,19 @@ __global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uin
     if (s == 1 && threadIdx.x == 0) c0 = clock64(), n0 = global_ns();  // step 0 warms up
     for (int i = threadIdx.x; i < rows * kB; i += blockDim.x) acc_s[i] = 0.0f;
     __syncthreads();
-    if (variant == 0) {
+    if (!diagonal) {
       compute_rows<DType::kF16, kB, true, Words::kOffset, 32, 0>(
           p, w_s, 0, 1LL << 40, h_s, tab_s, rows, wreg, acc_s);
     } else {
-      diag_rows(reinterpret_cast<const uint4*>(w_s), reinterpret_cast<const char*>(h_s), tab_s,
-                tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
+      const uint4* w4 = reinterpret_cast<const uint4*>(w_s);
+      const char* hb = reinterpret_cast<const char*>(h_s);
+      if (depth == 4) {
+        diag_rows<4>(w4, hb, tab_s, tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
+      } else if (depth == 2) {
+        diag_rows<2>(w4, hb, tab_s, tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
+      } else {
+        diag_rows<0>(w4, hb, tab_s, tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
+      }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < rows * kB; i += blockDim.x)
@@ -268,12 +322,16 @@ int main(int argc, char** argv) {
     const char* name;
     int rows;
     std::vector<int> kinds;
+    int depth = 0;  // 8-row groups: chunks per round (0 = one after another)
   };
   const std::vector<Variant> variants = {
       {"0 CUDA-core rows (package), 44 rows", 44, {}},
       {"1 diagonal mma, 4-row groups, 44 rows", 44, std::vector<int>(11, 4)},
       {"2 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}},
-      {"3 diagonal mma, 6 x 8 rows (48)", 48, std::vector<int>(6, 8)}};
+      {"3 diagonal mma, 6 x 8 rows (48)", 48, std::vector<int>(6, 8)},
+      {"4 = 2 in rounds of 2 chunks", 44, {8, 8, 8, 8, 8, 4}, 2},
+      {"5 = 2 in rounds of 4 chunks", 44, {8, 8, 8, 8, 8, 4}, 4},
+      {"6 = 3 in rounds of 4 chunks", 48, std::vector<int>(6, 8), 4}};
 
   uint16_t* d_h;
   CHECK(cudaMalloc(&d_h, h.size() * 2));
@@ -291,7 +349,7 @@ int main(int argc, char** argv) {
       Rows r = blocks[b];
       r.cols.resize(var.rows);
       r.vals.resize(var.rows);
-      const std::vector<uint32_t> w = v == 0 ? words_rows(r) : words_diag(r, var.kinds);
+      const std::vector<uint32_t> w = var.kinds.empty() ? words_rows(r) : words_diag(r, var.kinds);
       word0.push_back(static_cast<long long>(all.size()));
       all.insert(all.end(), w.begin(), w.end());
       nwords = static_cast<int>(w.size());
@@ -311,7 +369,7 @@ int main(int argc, char** argv) {
     std::vector<double> ns_runs, cyc_runs;
     std::vector<Stamp> st(kBlocks);
     for (int run = 0; run < 5; ++run) {
-      rows_kernel<<<kBlocks, kThreads, smem>>>(v, iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
+      rows_kernel<<<kBlocks, kThreads, smem>>>(!var.kinds.empty(), var.depth, iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
                                                d_out, d_st);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
