@@ -1,16 +1,14 @@
 // Diagonal-mma probe: can sparse rows run on the tensor cores? (benchmarks/NOTES.md, session 69.)
 // Times the rows phase alone (h tile and weight words already in shared memory, no exchange) at
-// ReLU H=5760 10% fp16, B=4: 132 blocks x 512 threads, 44 rows of 576 nonzeros per block, the
-// step's rows repeated `iters` times per launch. Variants, in one process:
+// ReLU H=5760 10% fp16, B=4: 132 blocks of 512 threads (or as the variant says), 44 rows of 576
+// nonzeros per block, the step's rows repeated `iters` times per launch. Variants, in one process:
 //   0 = the package's CUDA-core rows (rows.cuh compute_rows: whole warps, offset words, no
-//       register weights), the row's k-th nonzero on lane k % 32;
-//   1 = diagonal mma, 4 rows per mma.sync m16n8k16: m = batch * 4 + row, n = row (4 of 8 used),
+//       register weights), the row's k-th nonzero on lane k % 32; 1 = the same at 1024 threads;
+//   2 = diagonal mma, 4 rows per mma.sync m16n8k16: m = batch * 4 + row, n = row (4 of 8 used),
 //       k = the rows' next 16 nonzeros, each row its own columns; the sums are D[(b, r), r];
-//   2 = diagonal mma, 8 rows per pair of mma (one per batch pair): m = (row, batch 2p or 2p+1),
-//       n = row; 5 groups of 8 rows and 1 group of 4 (variant 1's code) make the block's 44;
-//   3 = variant 2's code on 48 rows (6 groups of 8), for its rate alone;
-//   4-6 = variants 2 and 3 with the 8-row groups in rounds of 2 or 4 chunks (all words, then all
-//       h, then the mmas), as rows.cuh's rounds keep several loads in flight.
+//   3 = diagonal mma, 8 rows per pair of mma (one per batch pair): m = (row, batch 2p or 2p+1),
+//       n = row; 5 groups of 8 rows and 1 group of 4 (variant 2's code) make the block's 44;
+//   4, 5 = variant 3 at 768 and 1024 threads; 6 = its 8-row code on 48 rows, 1024 threads.
 // Masks are bank-balanced (every row holds 36 columns of each residue mod 16) and each variant
 // orders a row's nonzeros so that every 16-lane group of an 8-byte h load reads 16 distinct bank
 // pairs: the conflict-free bound (session 62: 4.04 us/step at this layer, 4.19 on random masks).
@@ -38,7 +36,7 @@
 using namespace sprnn;
 using namespace sprnn::cuda;
 
-constexpr int kH = 5760, kB = 4, kLen = 576, kRes = 16, kBlocks = 132, kThreads = 512;
+constexpr int kH = 5760, kB = 4, kLen = 576, kRes = 16, kBlocks = 132;
 constexpr int kChunks = kLen / 16;  // 16 nonzeros of each row of a group per mma
 constexpr int kMaxRows = 48;
 using OffsetWord = RowWordT<DType::kF16, Words::kOffset>;
@@ -69,89 +67,44 @@ __device__ __forceinline__ void chunk4(const uint4* w, const char* h_base, int g
                          __byte_perm(wd.z, wd.w, 0x5410) & keep);
 }
 
-// One chunk of an 8-row group: m = (row g, batch 2p) and (row g, batch 2p + 1), n = row. Split
-// into its loads and its mma so that a round can put several chunks' loads in flight first.
-struct Chunk8 {
-  uint4 wd;
-  uint2 h[4];
-  __device__ __forceinline__ void load_words(const uint4* w, int lane) { wd = w[lane]; }
-  __device__ __forceinline__ void load_h(const char* h_base) {
-    h[0] = h_at(h_base, wd.x), h[1] = h_at(h_base, wd.y), h[2] = h_at(h_base, wd.z),
-    h[3] = h_at(h_base, wd.w);
-  }
-  __device__ __forceinline__ void mma(float (&d0)[4], float (&d1)[4]) const {
-    const uint32_t b0 = __byte_perm(wd.x, wd.y, 0x5410), b1 = __byte_perm(wd.z, wd.w, 0x5410);
-    mma_16816<DType::kF16>(d0, __byte_perm(h[0].x, h[1].x, 0x5410),
-                           __byte_perm(h[0].x, h[1].x, 0x7632), __byte_perm(h[2].x, h[3].x, 0x5410),
-                           __byte_perm(h[2].x, h[3].x, 0x7632), b0, b1);
-    mma_16816<DType::kF16>(d1, __byte_perm(h[0].y, h[1].y, 0x5410),
-                           __byte_perm(h[0].y, h[1].y, 0x7632), __byte_perm(h[2].y, h[3].y, 0x5410),
-                           __byte_perm(h[2].y, h[3].y, 0x7632), b0, b1);
-  }
-};
-
-// kDepth = 0: one chunk after another (the compiler's unrolling); else rounds of kDepth chunks,
-// all words, then all h, then the mmas into two accumulator sets in turn.
-template <int kDepth>
-__device__ __forceinline__ void group8(const uint4* w, int n, const char* h_base, int lane,
+// One chunk of an 8-row group: m = (row g, batch 2p) and (row g, batch 2p + 1), n = row. (Rounds
+// of 2 or 4 chunks, all loads first, ran 4-9% slower: session 69, call 2.)
+__device__ __forceinline__ void chunk8(const uint4* w, const char* h_base, int lane,
                                        float (&d0)[4], float (&d1)[4]) {
-  if constexpr (kDepth == 0) {
-#pragma unroll 4
-    for (int i = 0; i < n; ++i, w += 32) {
-      Chunk8 c;
-      c.load_words(w, lane);
-      c.load_h(h_base);
-      c.mma(d0, d1);
-    }
-  } else {
-    float e0[4] = {}, e1[4] = {};
-    int i = 0;
-    for (; i + kDepth <= n; i += kDepth, w += 32 * kDepth) {
-      Chunk8 c[kDepth];
-#pragma unroll
-      for (int q = 0; q < kDepth; ++q) c[q].load_words(w + 32 * q, lane);
-#pragma unroll
-      for (int q = 0; q < kDepth; ++q) c[q].load_h(h_base);
-#pragma unroll
-      for (int q = 0; q < kDepth; ++q) {
-        if (q & 1) {
-          c[q].mma(e0, e1);
-        } else {
-          c[q].mma(d0, d1);
-        }
-      }
-    }
-    for (; i < n; ++i, w += 32) {
-      Chunk8 c;
-      c.load_words(w, lane);
-      c.load_h(h_base);
-      c.mma(d0, d1);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) d0[j] += e0[j], d1[j] += e1[j];
-  }
+  const uint4 wd = w[lane];
+  const uint2 h0 = h_at(h_base, wd.x), h1 = h_at(h_base, wd.y), h2 = h_at(h_base, wd.z),
+              h3 = h_at(h_base, wd.w);
+  const uint32_t b0 = __byte_perm(wd.x, wd.y, 0x5410), b1 = __byte_perm(wd.z, wd.w, 0x5410);
+  mma_16816<DType::kF16>(d0, __byte_perm(h0.x, h1.x, 0x5410), __byte_perm(h0.x, h1.x, 0x7632),
+                         __byte_perm(h2.x, h3.x, 0x5410), __byte_perm(h2.x, h3.x, 0x7632), b0, b1);
+  mma_16816<DType::kF16>(d1, __byte_perm(h0.y, h1.y, 0x5410), __byte_perm(h0.y, h1.y, 0x7632),
+                         __byte_perm(h2.y, h3.y, 0x5410), __byte_perm(h2.y, h3.y, 0x7632), b0, b1);
 }
 
-// The diagonal rows of a block: the groups' chunks dealt to the warps in contiguous ranges; a warp
-// adds its partial sums of a group into acc_s when it leaves the group.
-template <int kDepth>
+// The diagonal rows of a block: the groups' chunks dealt to the warps in contiguous ranges of
+// equal work (an 8-row chunk counts twice a 4-row one; the 8-row groups come first); a warp adds
+// its partial sums of a group into acc_s when it leaves the group.
 __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_s,
                           const int* wofs_s, const int* row0_s, int ngroups, float* acc_s) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5,
-            warps = blockDim.x >> 5, items = ngroups * kChunks;
-  int it = warp * items / warps;
-  const int it1 = (warp + 1) * items / warps;
+            warps = blockDim.x >> 5;
+  int n8 = 0;
+  while (n8 < ngroups && kind_s[n8] == 8) ++n8;
+  const int work8 = 2 * n8 * kChunks, work = work8 + (ngroups - n8) * kChunks;
+  auto item_at = [&](int x) { return x < work8 ? (x + 1) / 2 : n8 * kChunks + x - work8; };
+  int it = item_at(warp * work / warps);
+  const int it1 = item_at((warp + 1) * work / warps);
   while (it < it1) {
     const int grp = it / kChunks, end = min(it1, (grp + 1) * kChunks), row0 = row0_s[grp];
     float d0[4] = {}, d1[4] = {};
     if (kind_s[grp] == 8) {
-      group8<kDepth>(w_s + wofs_s[grp] + (it - grp * kChunks) * 32, end - it, h_base, lane, d0,
-                     d1);
-      it = end;
+      const uint4* w = w_s + wofs_s[grp] + (it - grp * kChunks) * 32;
+#pragma unroll 4
+      for (; it < end; ++it, w += 32) chunk8(w, h_base, lane, d0, d1);
       if (t == g >> 1) {  // D[g][g] and D[g + 8][g]: row g, batches 2p and 2p + 1
         const int e = g & 1;
         float* a = acc_s + (row0 + g) * kB;
-        atomicAdd(a + 0, e ? d0[1] : d0[0]);
+        atomicAdd(a + 0, e ? d0[1] : d0[0]);  // selects keep d0, d1 in registers
         atomicAdd(a + 1, e ? d0[3] : d0[2]);
         atomicAdd(a + 2, e ? d1[1] : d1[0]);
         atomicAdd(a + 3, e ? d1[3] : d1[2]);
@@ -164,7 +117,7 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
       if (t == r >> 1) {  // D[b * 4 + r][r] for b = g >> 2 and b + 2
         const int e = r & 1;
         float* a = acc_s + (row0 + r) * kB + (g >> 2);
-        atomicAdd(a, e ? d0[1] : d0[0]);  // selects keep d0 in registers
+        atomicAdd(a, e ? d0[1] : d0[0]);
         atomicAdd(a + 2, e ? d0[3] : d0[2]);
       }
     }
@@ -178,7 +131,7 @@ struct Stamp {
 // `iters` steps of one variant's rows; every step zeroes the sums first and writes them out after.
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
 // starts (variant 0).
-__global__ void rows_kernel(bool diagonal, int depth, int iters, const uint16_t* h, const uint32_t* words,
+__global__ void __launch_bounds__(1024, 1) rows_kernel(bool diagonal, int iters, const uint16_t* h, const uint32_t* words,
                             const long long* block_word0, int nwords, const int* kinds,
                             int ngroups, float* out, Stamp* stamps) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -219,15 +172,8 @@ __global__ void rows_kernel(bool diagonal, int depth, int iters, const uint16_t*
       compute_rows<DType::kF16, kB, true, Words::kOffset, 32, 0>(
           p, w_s, 0, 1LL << 40, h_s, tab_s, rows, wreg, acc_s);
     } else {
-      const uint4* w4 = reinterpret_cast<const uint4*>(w_s);
-      const char* hb = reinterpret_cast<const char*>(h_s);
-      if (depth == 4) {
-        diag_rows<4>(w4, hb, tab_s, tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
-      } else if (depth == 2) {
-        diag_rows<2>(w4, hb, tab_s, tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
-      } else {
-        diag_rows<0>(w4, hb, tab_s, tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
-      }
+      diag_rows(reinterpret_cast<const uint4*>(w_s), reinterpret_cast<const char*>(h_s), tab_s,
+                tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < rows * kB; i += blockDim.x)
@@ -322,16 +268,16 @@ int main(int argc, char** argv) {
     const char* name;
     int rows;
     std::vector<int> kinds;
-    int depth = 0;  // 8-row groups: chunks per round (0 = one after another)
+    int threads;
   };
   const std::vector<Variant> variants = {
-      {"0 CUDA-core rows (package), 44 rows", 44, {}},
-      {"1 diagonal mma, 4-row groups, 44 rows", 44, std::vector<int>(11, 4)},
-      {"2 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}},
-      {"3 diagonal mma, 6 x 8 rows (48)", 48, std::vector<int>(6, 8)},
-      {"4 = 2 in rounds of 2 chunks", 44, {8, 8, 8, 8, 8, 4}, 2},
-      {"5 = 2 in rounds of 4 chunks", 44, {8, 8, 8, 8, 8, 4}, 4},
-      {"6 = 3 in rounds of 4 chunks", 48, std::vector<int>(6, 8), 4}};
+      {"0 CUDA-core rows (package), 44 rows", 44, {}, 512},
+      {"1 = 0 at 1024 threads", 44, {}, 1024},
+      {"2 diagonal mma, 11 x 4 rows", 44, std::vector<int>(11, 4), 512},
+      {"3 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}, 512},
+      {"4 = 3 at 768 threads", 44, {8, 8, 8, 8, 8, 4}, 768},
+      {"5 = 3 at 1024 threads", 44, {8, 8, 8, 8, 8, 4}, 1024},
+      {"6 diagonal mma, 6 x 8 rows (48), 1024 thr", 48, std::vector<int>(6, 8), 1024}};
 
   uint16_t* d_h;
   CHECK(cudaMalloc(&d_h, h.size() * 2));
@@ -369,7 +315,7 @@ int main(int argc, char** argv) {
     std::vector<double> ns_runs, cyc_runs;
     std::vector<Stamp> st(kBlocks);
     for (int run = 0; run < 5; ++run) {
-      rows_kernel<<<kBlocks, kThreads, smem>>>(!var.kinds.empty(), var.depth, iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
+      rows_kernel<<<kBlocks, var.threads, smem>>>(!var.kinds.empty(), iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
                                                d_out, d_st);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
