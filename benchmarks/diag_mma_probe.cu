@@ -1,19 +1,22 @@
 // Diagonal-mma probe: can sparse rows run on the tensor cores? (benchmarks/NOTES.md, session 69.)
 // Times the rows phase alone (h tile and weight words already in shared memory, no exchange) at
-// ReLU H=5760 10% fp16, B=4: 132 blocks of 512 threads (or as the variant says), 44 rows of 576
-// nonzeros per block, the step's rows repeated `iters` times per launch. Variants, in one process:
+// ReLU H=5760 10% fp16, B=4: 132 blocks x 512 threads, 44 rows of 576 nonzeros per block, the
+// step's rows repeated `iters` times per launch. Variants, in one process:
 //   0 = the package's CUDA-core rows (rows.cuh compute_rows: whole warps, offset words, no
-//       register weights), the row's k-th nonzero on lane k % 32; 1 = the same at 1024 threads;
-//   2 = diagonal mma, 4 rows per mma.sync m16n8k16: m = batch * 4 + row, n = row (4 of 8 used),
+//       register weights), the row's k-th nonzero on lane k % 32;
+//   1 = diagonal mma, 4 rows per mma.sync m16n8k16: m = batch * 4 + row, n = row (4 of 8 used),
 //       k = the rows' next 16 nonzeros, each row its own columns; the sums are D[(b, r), r];
-//   3 = diagonal mma, 8 rows per pair of mma (one per batch pair): m = (row, batch 2p or 2p+1),
-//       n = row; 5 groups of 8 rows and 1 group of 4 (variant 2's code) make the block's 44;
-//   4, 5 = variant 3 at 768 and 1024 threads; 6 = its 8-row code on 48 rows, 1024 threads.
+//   2 = diagonal mma, 8 rows per pair of mma (one per batch pair): m = (row, batch 2p or 2p+1),
+//       n = row; 5 groups of 8 rows and 1 group of 4 (variant 1's code) make the block's 44;
+//   3 = variant 2's code on 48 rows (6 groups of 8), for its rate alone.
 // Masks are bank-balanced (every row holds 36 columns of each residue mod 16) and each variant
 // orders a row's nonzeros so that every 16-lane group of an 8-byte h load reads 16 distinct bank
 // pairs: the conflict-free bound (session 62: 4.04 us/step at this layer, 4.19 on random masks).
 // Prints per variant the median over blocks of ns and clock cycles per step, the SM clock, and
-// the largest error against a float64 host sum. Hand-written because no library times
+// the largest error against a float64 host sum. Session 69's result (NOTES.md): variant 2 takes
+// 12% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
+// 2-5% shorter in time. This is call 1's code; calls 2-4 ran later versions of the file (rounds
+// of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which all lost. Hand-written because no library times
 // a block's shared-memory rows phase.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/diag_mma_probe.cu -o /tmp/diag_mma_probe
@@ -36,10 +39,16 @@
 using namespace sprnn;
 using namespace sprnn::cuda;
 
-constexpr int kH = 5760, kB = 4, kLen = 576, kRes = 16, kBlocks = 132;
+constexpr int kH = 5760, kB = 4, kLen = 576, kRes = 16, kBlocks = 132, kThreads = 512;
 constexpr int kChunks = kLen / 16;  // 16 nonzeros of each row of a group per mma
 constexpr int kMaxRows = 48;
 using OffsetWord = RowWordT<DType::kF16, Words::kOffset>;
+
+// One variant's block layout: groups of kind 4 or 8 rows (kind 0: the CUDA-core rows).
+struct Layout {
+  int rows = 44;
+  std::vector<int> kinds;  // per group: 4 or 8 rows
+};
 
 // The residue a diagonal-mma lane (row q of its group, k-th nonzero of chunk c) must read so that
 // the 16 lanes of a half warp (4 rows x t = 0..3) hit 16 distinct bank pairs: row q takes the
@@ -67,8 +76,7 @@ __device__ __forceinline__ void chunk4(const uint4* w, const char* h_base, int g
                          __byte_perm(wd.z, wd.w, 0x5410) & keep);
 }
 
-// One chunk of an 8-row group: m = (row g, batch 2p) and (row g, batch 2p + 1), n = row. (Rounds
-// of 2 or 4 chunks, all loads first, ran 4-9% slower: session 69, call 2.)
+// One chunk of an 8-row group: m = (row g, batch 2p) and (row g, batch 2p + 1), n = row.
 __device__ __forceinline__ void chunk8(const uint4* w, const char* h_base, int lane,
                                        float (&d0)[4], float (&d1)[4]) {
   const uint4 wd = w[lane];
@@ -81,19 +89,14 @@ __device__ __forceinline__ void chunk8(const uint4* w, const char* h_base, int l
                          __byte_perm(h2.y, h3.y, 0x5410), __byte_perm(h2.y, h3.y, 0x7632), b0, b1);
 }
 
-// The diagonal rows of a block: the groups' chunks dealt to the warps in contiguous ranges of
-// equal work (an 8-row chunk counts twice a 4-row one; the 8-row groups come first); a warp adds
-// its partial sums of a group into acc_s when it leaves the group.
+// The diagonal rows of a block: the groups' chunks dealt to the warps in contiguous ranges; a warp
+// adds its partial sums of a group into acc_s when it leaves the group.
 __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_s,
                           const int* wofs_s, const int* row0_s, int ngroups, float* acc_s) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5,
-            warps = blockDim.x >> 5;
-  int n8 = 0;
-  while (n8 < ngroups && kind_s[n8] == 8) ++n8;
-  const int work8 = 2 * n8 * kChunks, work = work8 + (ngroups - n8) * kChunks;
-  auto item_at = [&](int x) { return x < work8 ? (x + 1) / 2 : n8 * kChunks + x - work8; };
-  int it = item_at(warp * work / warps);
-  const int it1 = item_at((warp + 1) * work / warps);
+            warps = blockDim.x >> 5, items = ngroups * kChunks;
+  int it = warp * items / warps;
+  const int it1 = (warp + 1) * items / warps;
   while (it < it1) {
     const int grp = it / kChunks, end = min(it1, (grp + 1) * kChunks), row0 = row0_s[grp];
     float d0[4] = {}, d1[4] = {};
@@ -104,10 +107,10 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
       if (t == g >> 1) {  // D[g][g] and D[g + 8][g]: row g, batches 2p and 2p + 1
         const int e = g & 1;
         float* a = acc_s + (row0 + g) * kB;
-        atomicAdd(a + 0, e ? d0[1] : d0[0]);  // selects keep d0, d1 in registers
-        atomicAdd(a + 1, e ? d0[3] : d0[2]);
-        atomicAdd(a + 2, e ? d1[1] : d1[0]);
-        atomicAdd(a + 3, e ? d1[3] : d1[2]);
+        atomicAdd(a + 0, d0[e]);
+        atomicAdd(a + 1, d0[2 + e]);
+        atomicAdd(a + 2, d1[e]);
+        atomicAdd(a + 3, d1[2 + e]);
       }
     } else {
       const uint4* w = w_s + wofs_s[grp] + (it - grp * kChunks) * 16;
@@ -117,8 +120,8 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
       if (t == r >> 1) {  // D[b * 4 + r][r] for b = g >> 2 and b + 2
         const int e = r & 1;
         float* a = acc_s + (row0 + r) * kB + (g >> 2);
-        atomicAdd(a, e ? d0[1] : d0[0]);
-        atomicAdd(a + 2, e ? d0[3] : d0[2]);
+        atomicAdd(a, d0[e]);
+        atomicAdd(a + 2, d0[2 + e]);
       }
     }
   }
@@ -131,7 +134,7 @@ struct Stamp {
 // `iters` steps of one variant's rows; every step zeroes the sums first and writes them out after.
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
 // starts (variant 0).
-__global__ void __launch_bounds__(1024, 1) rows_kernel(bool diagonal, int iters, const uint16_t* h, const uint32_t* words,
+__global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uint32_t* words,
                             const long long* block_word0, int nwords, const int* kinds,
                             int ngroups, float* out, Stamp* stamps) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -143,7 +146,7 @@ __global__ void __launch_bounds__(1024, 1) rows_kernel(bool diagonal, int iters,
   const uint32_t* wg = words + block_word0[blockIdx.x];
   for (int i = threadIdx.x; i < nwords; i += blockDim.x) w_s[i] = wg[i];
   int rows = 0;
-  if (!diagonal) {
+  if (variant == 0) {
     rows = 44;
     for (int i = threadIdx.x; i <= rows; i += blockDim.x) tab_s[i] = i * kLen;
   } else if (threadIdx.x == 0) {
@@ -156,7 +159,7 @@ __global__ void __launch_bounds__(1024, 1) rows_kernel(bool diagonal, int iters,
       row0 += kinds[q];
     }
   }
-  if (diagonal) {
+  if (variant != 0) {
     for (int q = 0; q < ngroups; ++q) rows += kinds[q];
   }
   __syncthreads();
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(1024, 1) rows_kernel(bool diagonal, int iters,
     if (s == 1 && threadIdx.x == 0) c0 = clock64(), n0 = global_ns();  // step 0 warms up
     for (int i = threadIdx.x; i < rows * kB; i += blockDim.x) acc_s[i] = 0.0f;
     __syncthreads();
-    if (!diagonal) {
+    if (variant == 0) {
       compute_rows<DType::kF16, kB, true, Words::kOffset, 32, 0>(
           p, w_s, 0, 1LL << 40, h_s, tab_s, rows, wreg, acc_s);
     } else {
@@ -268,16 +271,12 @@ int main(int argc, char** argv) {
     const char* name;
     int rows;
     std::vector<int> kinds;
-    int threads;
   };
   const std::vector<Variant> variants = {
-      {"0 CUDA-core rows (package), 44 rows", 44, {}, 512},
-      {"1 = 0 at 1024 threads", 44, {}, 1024},
-      {"2 diagonal mma, 11 x 4 rows", 44, std::vector<int>(11, 4), 512},
-      {"3 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}, 512},
-      {"4 = 3 at 768 threads", 44, {8, 8, 8, 8, 8, 4}, 768},
-      {"5 = 3 at 1024 threads", 44, {8, 8, 8, 8, 8, 4}, 1024},
-      {"6 diagonal mma, 6 x 8 rows (48), 1024 thr", 48, std::vector<int>(6, 8), 1024}};
+      {"0 CUDA-core rows (package), 44 rows", 44, {}},
+      {"1 diagonal mma, 4-row groups, 44 rows", 44, std::vector<int>(11, 4)},
+      {"2 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}},
+      {"3 diagonal mma, 6 x 8 rows (48)", 48, std::vector<int>(6, 8)}};
 
   uint16_t* d_h;
   CHECK(cudaMalloc(&d_h, h.size() * 2));
@@ -295,7 +294,7 @@ int main(int argc, char** argv) {
       Rows r = blocks[b];
       r.cols.resize(var.rows);
       r.vals.resize(var.rows);
-      const std::vector<uint32_t> w = var.kinds.empty() ? words_rows(r) : words_diag(r, var.kinds);
+      const std::vector<uint32_t> w = v == 0 ? words_rows(r) : words_diag(r, var.kinds);
       word0.push_back(static_cast<long long>(all.size()));
       all.insert(all.end(), w.begin(), w.end());
       nwords = static_cast<int>(w.size());
@@ -315,7 +314,7 @@ int main(int argc, char** argv) {
     std::vector<double> ns_runs, cyc_runs;
     std::vector<Stamp> st(kBlocks);
     for (int run = 0; run < 5; ++run) {
-      rows_kernel<<<kBlocks, var.threads, smem>>>(!var.kinds.empty(), iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
+      rows_kernel<<<kBlocks, kThreads, smem>>>(v, iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
                                                d_out, d_st);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
