@@ -4,7 +4,8 @@
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
-#                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|trace|all]
+#                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
+#                            trace|all]
 #                                                                       (default all)
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
@@ -24,6 +25,8 @@
 #   invalidation against the kernel's strong loads) for L1_GATHER_CONFIGS.
 # mma-clock: benchmarks/mma_clock_probe.cu (the SM clock while each tensor-core instruction kind
 #   runs).
+# diag-mma: benchmarks/diag_mma_probe.cu (the rows phase alone: CUDA-core rows against sparse rows
+#   as a diagonal mma on the tensor cores, session 69).
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
 #   for the configurations in CLUSTER_REG_CONFIGS (H:density:T:csize:lanes:mode:order).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
@@ -86,9 +89,10 @@ if [ "$MODE" = l1-gather ]; then  # benchmarks/l1_gather_probe.cu: weak loads af
   done
   exit 0
 fi
-if [ "$MODE" = mma-clock ]; then  # benchmarks/mma_clock_probe.cu
-  "${PROBE_NVCC[@]}" benchmarks/mma_clock_probe.cu -o /tmp/mma_clock_probe || exit 1
-  timeout 120 /tmp/mma_clock_probe 2>&1 | tee -a "$OUT/mma_clock.txt"
+if [ "$MODE" = mma-clock ] || [ "$MODE" = diag-mma ]; then  # probes without arguments
+  probe="${MODE//-/_}"  # benchmarks/mma_clock_probe.cu, benchmarks/diag_mma_probe.cu
+  "${PROBE_NVCC[@]}" "benchmarks/${probe}_probe.cu" -o "/tmp/${probe}_probe" || exit 1
+  timeout 120 "/tmp/${probe}_probe" 2>&1 | tee -a "$OUT/$probe.txt"
   exit 0
 fi
 if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu

@@ -33,6 +33,7 @@ PROBES = {
     "l1_gather_probe": ("l1_gather_probe", []),
     "cluster_reg_probe": ("cluster_reg_probe", []),
     "mma_clock_probe": ("mma_clock_probe", []),
+    "diag_mma_probe": ("diag_mma_probe", []),
 }
 
 
