@@ -14,7 +14,7 @@
 // pairs: the conflict-free bound (session 62: 4.04 us/step at this layer, 4.19 on random masks).
 // Prints per variant the median over blocks of ns and clock cycles per step, the SM clock, and
 // the largest error against a float64 host sum. Session 69's result (NOTES.md): variant 2 takes
-// 12% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
+// 11-13% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
 // 2-5% shorter in time. This is call 1's code; calls 2-4 ran later versions of the file (rounds
 // of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which all lost. Hand-written because no library times
 // a block's shared-memory rows phase.
