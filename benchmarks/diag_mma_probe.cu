@@ -16,8 +16,8 @@
 // the largest error against a float64 host sum. Session 69's result (NOTES.md): variant 2 takes
 // 11-13% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
 // 2-5% shorter in time. This is call 1's code; calls 2-4 ran later versions of the file (rounds
-// of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which all lost. Hand-written because no library times
-// a block's shared-memory rows phase.
+// of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which all lost.
+// Hand-written because no library times a block's shared-memory rows phase.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/diag_mma_probe.cu -o /tmp/diag_mma_probe
 //   /tmp/diag_mma_probe [iters]
