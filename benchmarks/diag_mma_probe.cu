@@ -44,12 +44,6 @@ constexpr int kChunks = kLen / 16;  // 16 nonzeros of each row of a group per mm
 constexpr int kMaxRows = 48;
 using OffsetWord = RowWordT<DType::kF16, Words::kOffset>;
 
-// One variant's block layout: groups of kind 4 or 8 rows (kind 0: the CUDA-core rows).
-struct Layout {
-  int rows = 44;
-  std::vector<int> kinds;  // per group: 4 or 8 rows
-};
-
 // The residue a diagonal-mma lane (row q of its group, k-th nonzero of chunk c) must read so that
 // the 16 lanes of a half warp (4 rows x t = 0..3) hit 16 distinct bank pairs: row q takes the
 // residues 4 * ((q + c) % 4) + t, each four times a chunk; over four chunks, all 16.
@@ -211,7 +205,9 @@ Rows make_rows(int n, std::mt19937& rng) {
   return r;
 }
 
-uint32_t offset_word(int col, uint16_t val) { return static_cast<uint32_t>(col * kB * 2) << 16 | val; }
+uint32_t offset_word(int col, uint16_t val) {
+  return static_cast<uint32_t>(col * kB * 2) << 16 | val;
+}
 
 // Takes from row i's nonzeros one of residue `res` (the row has exactly kLen / kRes of each).
 struct ResiduePools {
@@ -320,7 +316,10 @@ int main(int argc, char** argv) {
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(st.data(), d_st, kBlocks * sizeof(Stamp), cudaMemcpyDeviceToHost));
       std::vector<double> ns, cyc;
-      for (const Stamp& s : st) ns.push_back(double(s.ns) / (iters - 1)), cyc.push_back(double(s.cycles) / (iters - 1));
+      for (const Stamp& s : st) {
+        ns.push_back(double(s.ns) / (iters - 1));
+        cyc.push_back(double(s.cycles) / (iters - 1));
+      }
       std::nth_element(ns.begin(), ns.begin() + kBlocks / 2, ns.end());
       std::nth_element(cyc.begin(), cyc.begin() + kBlocks / 2, cyc.end());
       if (run > 0) ns_runs.push_back(ns[kBlocks / 2]), cyc_runs.push_back(cyc[kBlocks / 2]);
@@ -342,7 +341,8 @@ int main(int argc, char** argv) {
           scale = std::max(scale, std::fabs(ref));
         }
     const double ns = ns_runs[ns_runs.size() / 2], cyc = cyc_runs[cyc_runs.size() / 2];
-    std::printf("%-40s %7.1f ns/step %7.0f cycles/step  %.3f GHz  %.1f cycles per 64 pairs  max err %.2e (|ref| <= %.1f)\n",
+    std::printf("%-40s %7.1f ns/step %7.0f cycles/step  %.3f GHz  %.1f cycles per 64 pairs  "
+                "max err %.2e (|ref| <= %.1f)\n",
                 var.name, ns, cyc, cyc / ns, cyc / (var.rows * kLen / 64.0), err, scale);
     CHECK(cudaFree(d_w));
     CHECK(cudaFree(d_w0));
