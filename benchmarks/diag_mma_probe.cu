@@ -256,6 +256,10 @@ std::vector<uint32_t> words_diag(const Rows& r, const std::vector<int>& kinds) {
 
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 2000;
+  if (iters < 2) {  // step 0 only warms up, so the timed steps are 1 .. iters - 1
+    std::fprintf(stderr, "iters must be at least 2, got %s\n", argv[1]);
+    return 2;
+  }
   std::mt19937 rng(69);
   std::vector<uint16_t> h(kH * kB);
   std::uniform_real_distribution<float> hv(-1.0f, 1.0f);
