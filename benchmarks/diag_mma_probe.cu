@@ -121,6 +121,34 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
   }
 }
 
+// Variant 6's last pass: rows [full, rows) by the warps in equal contiguous ranges of their
+// nonzeros (multiples of 16 from a row start, so the bank-aware 16-lane groups stay whole), each
+// warp adding its partial sum of each row piece it holds into acc_s (zeroed by the step). With
+// 44 rows on 16 warps, whole-row passes leave 4 warps idle in the third pass (18 nonzeros per
+// lane in it): here every warp takes 13.5.
+__device__ void balanced_tail_rows(const Params& p, const OffsetWord* w_s, const uint16_t* h_s,
+                                   const int* rows_s, int full, int rows, float* acc_s) {
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  const int n0 = rows_s[full], n = rows_s[rows] - n0;
+  const int per = (n / warps + 15) & ~15;
+  int k = n0 + min(n, warp * per);
+  const int k_end = n0 + min(n, (warp + 1) * per);
+  int r = full;
+  while (r < rows && rows_s[r + 1] <= k) ++r;
+  const OffsetWord wreg[1] = {};
+  while (k < k_end) {  // warp-uniform
+    const int e = min(k_end, rows_s[r + 1]);
+    float acc[kB];
+    row_dot<DType::kF16, kB, true, Words::kOffset, 32, 0>(
+        p, w_s, 0, 1LL << 40, h_s, k, e, wreg, false, acc);
+    int col;
+    const float sum = sum_slices_transposed<kB, 32>(acc, lane, col);
+    if (lane % (32 / kB) == 0) atomicAdd(acc_s + r * kB + col, sum);
+    k = e;
+    ++r;
+  }
+}
+
 struct Stamp {
   unsigned long long cycles, ns;
 };
@@ -128,9 +156,11 @@ struct Stamp {
 // `iters` steps of one variant's rows; every step zeroes the sums first and writes them out after.
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
 // starts (variant 0).
-__global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uint32_t* words,
+// CUDA-core variants (ngroups == 0): compute_rows on rows [0, full), then balanced_tail_rows on
+// [full, cuda_rows).
+__global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
                             const long long* block_word0, int nwords, const int* kinds,
-                            int ngroups, float* out, Stamp* stamps) {
+                            int ngroups, int cuda_rows, int full, float* out, Stamp* stamps) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* h_s = reinterpret_cast<uint16_t*>(smem);
   float* acc_s = reinterpret_cast<float*>(smem + kH * kB * 2);
@@ -140,8 +170,8 @@ __global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uin
   const uint32_t* wg = words + block_word0[blockIdx.x];
   for (int i = threadIdx.x; i < nwords; i += blockDim.x) w_s[i] = wg[i];
   int rows = 0;
-  if (variant == 0) {
-    rows = 44;
+  if (ngroups == 0) {
+    rows = cuda_rows;
     for (int i = threadIdx.x; i <= rows; i += blockDim.x) tab_s[i] = i * kLen;
   } else if (threadIdx.x == 0) {
     int wofs = 0, row0 = 0;
@@ -153,7 +183,7 @@ __global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uin
       row0 += kinds[q];
     }
   }
-  if (variant != 0) {
+  if (ngroups != 0) {
     for (int q = 0; q < ngroups; ++q) rows += kinds[q];
   }
   __syncthreads();
@@ -165,9 +195,10 @@ __global__ void rows_kernel(int variant, int iters, const uint16_t* h, const uin
     if (s == 1 && threadIdx.x == 0) c0 = clock64(), n0 = global_ns();  // step 0 warms up
     for (int i = threadIdx.x; i < rows * kB; i += blockDim.x) acc_s[i] = 0.0f;
     __syncthreads();
-    if (variant == 0) {
+    if (ngroups == 0) {
       compute_rows<DType::kF16, kB, true, Words::kOffset, 32, 0>(
-          p, w_s, 0, 1LL << 40, h_s, tab_s, rows, wreg, acc_s);
+          p, w_s, 0, 1LL << 40, h_s, tab_s, full, wreg, acc_s);
+      if (full < rows) balanced_tail_rows(p, w_s, h_s, tab_s, full, rows, acc_s);
     } else {
       diag_rows(reinterpret_cast<const uint4*>(w_s), reinterpret_cast<const char*>(h_s), tab_s,
                 tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
@@ -280,12 +311,17 @@ int main(int argc, char** argv) {
     const char* name;
     int rows;
     std::vector<int> kinds;
+    int full;  // CUDA-core variants: rows in whole-row passes (the rest: balanced_tail_rows)
   };
   const std::vector<Variant> variants = {
-      {"0 CUDA-core rows (package), 44 rows", 44, {}},
-      {"1 diagonal mma, 4-row groups, 44 rows", 44, std::vector<int>(11, 4)},
-      {"2 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}},
-      {"3 diagonal mma, 6 x 8 rows (48)", 48, std::vector<int>(6, 8)}};
+      {"0 CUDA-core rows (package), 44 rows", 44, {}, 44},
+      {"1 diagonal mma, 4-row groups, 44 rows", 44, std::vector<int>(11, 4), 0},
+      {"2 diagonal mma, 5 x 8 + 1 x 4 rows", 44, {8, 8, 8, 8, 8, 4}, 0},
+      {"3 diagonal mma, 6 x 8 rows (48)", 48, std::vector<int>(6, 8), 0},
+      {"4 CUDA-core rows (package), 32 rows", 32, {}, 32},
+      {"5 CUDA-core rows (package), 48 rows", 48, {}, 48},
+      {"6 CUDA-core, 32 rows + 12 balanced", 44, {}, 32},
+      {"7 CUDA-core, 32 rows + 16 balanced (48)", 48, {}, 32}};
 
   uint16_t* d_h;
   CHECK(cudaMalloc(&d_h, h.size() * 2));
@@ -303,7 +339,7 @@ int main(int argc, char** argv) {
       Rows r = blocks[b];
       r.cols.resize(var.rows);
       r.vals.resize(var.rows);
-      const std::vector<uint32_t> w = v == 0 ? words_rows(r) : words_diag(r, var.kinds);
+      const std::vector<uint32_t> w = var.kinds.empty() ? words_rows(r) : words_diag(r, var.kinds);
       word0.push_back(static_cast<long long>(all.size()));
       all.insert(all.end(), w.begin(), w.end());
       nwords = static_cast<int>(w.size());
@@ -323,8 +359,8 @@ int main(int argc, char** argv) {
     std::vector<double> ns_runs, cyc_runs;
     std::vector<Stamp> st(kBlocks);
     for (int run = 0; run < 5; ++run) {
-      rows_kernel<<<kBlocks, kThreads, smem>>>(v, iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
-                                               d_out, d_st);
+      rows_kernel<<<kBlocks, kThreads, smem>>>(iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
+                                               var.rows, var.full, d_out, d_st);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(st.data(), d_st, kBlocks * sizeof(Stamp), cudaMemcpyDeviceToHost));
