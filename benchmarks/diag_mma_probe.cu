@@ -133,8 +133,12 @@ __device__ void balanced_tail_rows(const Params& p, const OffsetWord* w_s, const
   const int per = (n / warps + 15) & ~15;
   int k = n0 + min(n, warp * per);
   const int k_end = n0 + min(n, (warp + 1) * per);
-  int r = full;
-  while (r < rows && rows_s[r + 1] <= k) ++r;
+  int lo = full, hi = rows;  // the row holding nonzero k: the last r with rows_s[r] <= k
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (rows_s[mid] <= k) lo = mid; else hi = mid;
+  }
+  int r = lo;
   const OffsetWord wreg[1] = {};
   while (k < k_end) {  // warp-uniform
     const int e = min(k_end, rows_s[r + 1]);
