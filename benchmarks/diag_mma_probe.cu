@@ -8,15 +8,23 @@
 //       k = the rows' next 16 nonzeros, each row its own columns; the sums are D[(b, r), r];
 //   2 = diagonal mma, 8 rows per pair of mma (one per batch pair): m = (row, batch 2p or 2p+1),
 //       n = row; 5 groups of 8 rows and 1 group of 4 (variant 1's code) make the block's 44;
-//   3 = variant 2's code on 48 rows (6 groups of 8), for its rate alone.
+//   3 = variant 2's code on 48 rows (6 groups of 8), for its rate alone;
+//   4, 5 = variant 0 on 32 and 48 rows (two and three whole passes of the 16 warps), against
+//       which variant 0's third pass of 12 rows on 16 warps is priced (session 71);
+//   6, 7 = variant 0 on 32 rows, then the other 12 (16) rows' nonzeros in equal contiguous
+//       ranges per warp (balanced_tail_rows).
 // Masks are bank-balanced (every row holds 36 columns of each residue mod 16) and each variant
 // orders a row's nonzeros so that every 16-lane group of an 8-byte h load reads 16 distinct bank
 // pairs: the conflict-free bound (session 62: 4.04 us/step at this layer, 4.19 on random masks).
 // Prints per variant the median over blocks of ns and clock cycles per step, the SM clock, and
 // the largest error against a float64 host sum. Session 69's result (NOTES.md): variant 2 takes
 // 11-13% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
-// 2-5% shorter in time. This is call 1's code; calls 2-4 ran later versions of the file (rounds
-// of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which all lost.
+// 2-5% shorter in time. Variants 0-3 are call 1's code; calls 2-4 ran later versions of the
+// file (rounds of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which
+// all lost. Session 71: the third pass's 4 idle warps cost 148-165 cycles of variant 0's
+// 5,453-5,513 (2.7-3%: 12 rows take 1,397-1,424 cycles against 0.75 x the 16-row pass's
+// 1,665-1,679), the most any balancing could recover; variants 6 and 7 lose 1,378 and 664
+// cycles (session 71's call 2).
 // Hand-written because no library times a block's shared-memory rows phase.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/diag_mma_probe.cu -o /tmp/diag_mma_probe
