@@ -169,10 +169,12 @@ struct Stamp {
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
 // starts (variant 0).
 // CUDA-core variants (ngroups == 0): compute_rows on rows [0, full), then balanced_tail_rows on
-// [full, cuda_rows).
+// [full, cuda_rows); warp w first spins (w / 4 % phases) * stagger cycles, which puts warps of
+// one scheduler (w % 4) out of step with each other.
 __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
                             const long long* block_word0, int nwords, const int* kinds,
-                            int ngroups, int cuda_rows, int full, float* out, Stamp* stamps) {
+                            int ngroups, int cuda_rows, int full, int phases, int stagger,
+                            float* out, Stamp* stamps) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* h_s = reinterpret_cast<uint16_t*>(smem);
   float* acc_s = reinterpret_cast<float*>(smem + kH * kB * 2);
@@ -208,6 +210,9 @@ __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
     for (int i = threadIdx.x; i < rows * kB; i += blockDim.x) acc_s[i] = 0.0f;
     __syncthreads();
     if (ngroups == 0) {
+      const long long delay = static_cast<long long>((threadIdx.x >> 7) % phases) * stagger;
+      for (const long long t0 = clock64(); clock64() - t0 < delay;) {
+      }
       compute_rows<DType::kF16, kB, true, Words::kOffset, 32, 0>(
           p, w_s, 0, 1LL << 40, h_s, tab_s, full, wreg, acc_s);
       if (full < rows) balanced_tail_rows(p, w_s, h_s, tab_s, full, rows, acc_s);
@@ -324,6 +329,7 @@ int main(int argc, char** argv) {
     int rows;
     std::vector<int> kinds;
     int full;  // CUDA-core variants: rows in whole-row passes (the rest: balanced_tail_rows)
+    int phases = 1, stagger = 0;  // CUDA-core variants: warps started out of step (rows_kernel)
   };
   const std::vector<Variant> variants = {
       {"0 CUDA-core rows (package), 44 rows", 44, {}, 44},
@@ -333,7 +339,12 @@ int main(int argc, char** argv) {
       {"4 CUDA-core rows (package), 32 rows", 32, {}, 32},
       {"5 CUDA-core rows (package), 48 rows", 48, {}, 48},
       {"6 CUDA-core, 32 rows + 12 balanced", 44, {}, 32},
-      {"7 CUDA-core, 32 rows + 16 balanced (48)", 48, {}, 32}};
+      {"7 CUDA-core, 32 rows + 16 balanced (48)", 48, {}, 32},
+      {"8 CUDA-core, 44 rows, 2 phases x 200 cycles", 44, {}, 44, 2, 200},
+      {"9 CUDA-core, 44 rows, 2 phases x 400 cycles", 44, {}, 44, 2, 400},
+      {"10 CUDA-core, 44 rows, 4 phases x 100 cycles", 44, {}, 44, 4, 100},
+      {"11 CUDA-core, 44 rows, 4 phases x 200 cycles", 44, {}, 44, 4, 200},
+      {"12 CUDA-core, 48 rows, 2 phases x 200 cycles", 48, {}, 48, 2, 200}};
 
   uint16_t* d_h;
   CHECK(cudaMalloc(&d_h, h.size() * 2));
@@ -372,7 +383,8 @@ int main(int argc, char** argv) {
     std::vector<Stamp> st(kBlocks);
     for (int run = 0; run < 5; ++run) {
       rows_kernel<<<kBlocks, kThreads, smem>>>(iters, d_h, d_w, d_w0, nwords, d_kinds, ngroups,
-                                               var.rows, var.full, d_out, d_st);
+                                               var.rows, var.full, var.phases, var.stagger,
+                                               d_out, d_st);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(st.data(), d_st, kBlocks * sizeof(Stamp), cudaMemcpyDeviceToHost));
