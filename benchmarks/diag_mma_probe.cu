@@ -12,7 +12,8 @@
 //   4, 5 = variant 0 on 32 and 48 rows (two and three whole passes of the 16 warps), against
 //       which variant 0's third pass of 12 rows on 16 warps is priced (session 71);
 //   6, 7 = variant 0 on 32 rows, then the other 12 (16) rows' nonzeros in equal contiguous
-//       ranges per warp (balanced_tail_rows).
+//       ranges per warp (balanced_tail_rows);
+//   8-12 = variant 0 with the warps of each scheduler started apart (rows_kernel's stagger).
 // Masks are bank-balanced (every row holds 36 columns of each residue mod 16) and each variant
 // orders a row's nonzeros so that every 16-lane group of an 8-byte h load reads 16 distinct bank
 // pairs: the conflict-free bound (session 62: 4.04 us/step at this layer, 4.19 on random masks).
@@ -24,7 +25,8 @@
 // all lost. Session 71: the third pass's 4 idle warps cost 148-165 cycles of variant 0's
 // 5,453-5,513 (2.7-3%: 12 rows take 1,397-1,424 cycles against 0.75 x the 16-row pass's
 // 1,665-1,679), the most any balancing could recover; variants 6 and 7 lose 1,378 and 664
-// cycles (session 71's call 2).
+// cycles (session 71's call 2). Started apart, the warps end when they would have (-0.6% to
+// +0.9%, call 3): the rows are bound by the SM's throughput, not by warps in lockstep.
 // Hand-written because no library times a block's shared-memory rows phase.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/diag_mma_probe.cu -o /tmp/diag_mma_probe
