@@ -20,11 +20,11 @@
 // Prints per variant the median over blocks of ns and clock cycles per step, the SM clock, and
 // the largest error against a float64 host sum. Session 69's result (NOTES.md): variant 2 takes
 // 11-13% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
-// 2-5% shorter in time. Variants 0-3 are call 1's code; calls 2-4 ran later versions of the
-// file (rounds of chunks, 2a31503; a work-weighted split and 768 or 1024 threads, ba8b419), which
-// all lost. Session 71: the third pass's 4 idle warps cost 148-165 cycles of variant 0's
-// 5,453-5,513 (2.7-3%: 12 rows take 1,397-1,424 cycles against 0.75 x the 16-row pass's
-// 1,665-1,679), the most any balancing could recover; variants 6 and 7 lose 1,378 and 664
+// 2-5% shorter in time. Variants 0-3 are that session's call 1 (the kernel's row count is now an
+// argument); its calls 2-4 ran other versions of the file (rounds of chunks, 2a31503; a
+// work-weighted split and 768 or 1024 threads, ba8b419), which all lost. Session 71 (calls 1-3): the third pass's 4 idle warps cost 145-165 cycles of
+// variant 0's 5,256-5,513 (2.7-3.0%: 12 rows take 1,364-1,424 cycles against 0.75 x the 16-row
+// pass's 1,625-1,679), the most any balancing could recover; variants 6 and 7 lose 1,378 and 664
 // cycles (session 71's call 2). Started apart, the warps end when they would have (-0.6% to
 // +0.9%, call 3): the rows are bound by the SM's throughput, not by warps in lockstep.
 // Hand-written because no library times a block's shared-memory rows phase.
