@@ -22,11 +22,12 @@
 // 11-13% fewer cycles than variant 0 but runs at 1.80 GHz instead of 1.98, so the rows are only
 // 2-5% shorter in time. Variants 0-3 are that session's call 1 (the kernel's row count is now an
 // argument); its calls 2-4 ran other versions of the file (rounds of chunks, 2a31503; a
-// work-weighted split and 768 or 1024 threads, ba8b419), which all lost. Session 71 (calls 1-3): the third pass's 4 idle warps cost 145-165 cycles of
-// variant 0's 5,256-5,513 (2.7-3.0%: 12 rows take 1,364-1,424 cycles against 0.75 x the 16-row
-// pass's 1,625-1,679), the most any balancing could recover; variants 6 and 7 lose 1,378 and 664
-// cycles (session 71's call 2). Started apart, the warps end when they would have (-0.6% to
-// +0.9%, call 3): the rows are bound by the SM's throughput, not by warps in lockstep.
+// work-weighted split and 768 or 1024 threads, ba8b419), which all lost. Session 71 (calls 1-3):
+// the third pass's 4 idle warps cost 145-165 cycles of variant 0's 5,256-5,513 (2.7-3.0%: 12
+// rows take 1,364-1,424 cycles against 0.75 x the 16-row pass's 1,625-1,679), the most any
+// balancing could recover; variants 6 and 7 lose 1,378 and 664 cycles (call 2). Started apart,
+// the warps end when they would have (-0.6% to +0.9%, call 3): the rows are bound by the SM's
+// throughput, not by warps in lockstep.
 // Hand-written because no library times a block's shared-memory rows phase.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/diag_mma_probe.cu -o /tmp/diag_mma_probe
