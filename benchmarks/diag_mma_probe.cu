@@ -132,7 +132,7 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
   }
 }
 
-// Variant 6's last pass: rows [full, rows) by the warps in equal contiguous ranges of their
+// Variants 6 and 7's last pass: rows [full, rows) by the warps in equal contiguous ranges of their
 // nonzeros (multiples of 16 from a row start, so the bank-aware 16-lane groups stay whole), each
 // warp adding its partial sum of each row piece it holds into acc_s (zeroed by the step). With
 // 44 rows on 16 warps, whole-row passes leave 4 warps idle in the third pass (18 nonzeros per
@@ -147,7 +147,11 @@ __device__ void balanced_tail_rows(const Params& p, const OffsetWord* w_s, const
   int lo = full, hi = rows;  // the row holding nonzero k: the last r with rows_s[r] <= k
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (rows_s[mid] <= k) lo = mid; else hi = mid;
+    if (rows_s[mid] <= k) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
   }
   int r = lo;
   const OffsetWord wreg[1] = {};
@@ -170,7 +174,7 @@ struct Stamp {
 
 // `iters` steps of one variant's rows; every step zeroes the sums first and writes them out after.
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
-// starts (variant 0).
+// starts (CUDA-core variants).
 // CUDA-core variants (ngroups == 0): compute_rows on rows [0, full), then balanced_tail_rows on
 // [full, cuda_rows); warp w first spins (w / 4 % phases) * stagger cycles, which puts warps of
 // one scheduler (w % 4) out of step with each other.
@@ -414,7 +418,7 @@ int main(int argc, char** argv) {
           scale = std::max(scale, std::fabs(ref[at]));
         }
     const double ns = ns_runs[ns_runs.size() / 2], cyc = cyc_runs[cyc_runs.size() / 2];
-    std::printf("%-40s %7.1f ns/step %7.0f cycles/step  %.3f GHz  %.1f cycles per 64 pairs  "
+    std::printf("%-46s %7.1f ns/step %7.0f cycles/step  %.3f GHz  %.1f cycles per 64 pairs  "
                 "max err %.2e (|ref| <= %.1f)\n",
                 var.name, ns, cyc, cyc / ns, cyc / (var.rows * kLen / 64.0), err, scale);
     CHECK(cudaFree(d_w));

@@ -27,7 +27,7 @@
 #   runs).
 # diag-mma: benchmarks/diag_mma_probe.cu (the rows phase alone: CUDA-core rows against sparse rows
 #   as a diagonal mma on the tensor cores, session 69; the cost of a block's last, partial pass
-#   over its rows, session 71).
+#   over its rows and of warps that start the rows together, session 71).
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
 #   for the configurations in CLUSTER_REG_CONFIGS (H:density:T:csize:lanes:mode:order).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
