@@ -176,11 +176,11 @@ struct Stamp {
 // Dynamic shared memory: h tile, acc_s, the words, per-group tables (diagonal variants) or row
 // starts (CUDA-core variants).
 // CUDA-core variants (ngroups == 0): compute_rows on rows [0, full), then balanced_tail_rows on
-// [full, cuda_rows); warp w first spins (w / 4 % phases) * stagger cycles, which puts warps of
+// [full, rows); warp w first spins (w / 4 % phases) * stagger cycles, which puts warps of
 // one scheduler (w % 4) out of step with each other.
 __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
                             const long long* block_word0, int nwords, const int* kinds,
-                            int ngroups, int cuda_rows, int full, int phases, int stagger,
+                            int ngroups, int rows, int full, int phases, int stagger,
                             float* out, Stamp* stamps) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* h_s = reinterpret_cast<uint16_t*>(smem);
@@ -190,9 +190,7 @@ __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
   for (int i = threadIdx.x; i < kH * kB; i += blockDim.x) h_s[i] = h[i];
   const uint32_t* wg = words + block_word0[blockIdx.x];
   for (int i = threadIdx.x; i < nwords; i += blockDim.x) w_s[i] = wg[i];
-  int rows = 0;
   if (ngroups == 0) {
-    rows = cuda_rows;
     for (int i = threadIdx.x; i <= rows; i += blockDim.x) tab_s[i] = i * kLen;
   } else if (threadIdx.x == 0) {
     int wofs = 0, row0 = 0;
@@ -203,9 +201,6 @@ __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
       wofs += kChunks * kinds[q] * 16;  // 8-row: 32 lanes x 4 words; 4-row: 16 x 4
       row0 += kinds[q];
     }
-  }
-  if (ngroups != 0) {
-    for (int q = 0; q < ngroups; ++q) rows += kinds[q];
   }
   __syncthreads();
   Params p{};
@@ -278,7 +273,7 @@ struct ResiduePools {
   }
 };
 
-// Variant 0's words: row-major, the row's k-th nonzero of residue k % 16 (lane k % 32).
+// The CUDA-core variants' words: row-major, the row's k-th nonzero of residue k % 16 (lane k % 32).
 std::vector<uint32_t> words_rows(const Rows& r) {
   ResiduePools pools(r);
   std::vector<uint32_t> w;
