@@ -137,26 +137,35 @@ __device__ void diag_rows(const uint4* w_s, const char* h_base, const int* kind_
 // warp adding its partial sum of each row piece it holds into acc_s (zeroed by the step). With
 // 44 rows on 16 warps, whole-row passes leave 4 warps idle in the third pass (18 nonzeros per
 // lane in it): here every warp takes 13.5.
-__device__ void balanced_tail_rows(const Params& p, const OffsetWord* w_s, const uint16_t* h_s,
-                                   const int* rows_s, int full, int rows, float* acc_s) {
-  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+// A warp's range: nonzeros [k0, k_end), the first of them in row r0. Found once per launch, as a
+// kernel would in its prologue, so that the timed steps carry only the pass itself.
+struct TailRange {
+  int k0, k_end, r0;
+};
+
+__device__ TailRange tail_range(const int* rows_s, int full, int rows) {
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int n0 = rows_s[full], n = rows_s[rows] - n0;
   const int per = (n / warps + 15) & ~15;
-  int k = n0 + min(n, warp * per);
-  const int k_end = n0 + min(n, (warp + 1) * per);
-  int lo = full, hi = rows;  // the row holding nonzero k: the last r with rows_s[r] <= k
+  const int k0 = n0 + min(n, warp * per);
+  int lo = full, hi = rows;  // the row holding nonzero k0: the last r with rows_s[r] <= k0
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (rows_s[mid] <= k) {
+    if (rows_s[mid] <= k0) {
       lo = mid;
     } else {
       hi = mid;
     }
   }
-  int r = lo;
-  const OffsetWord wreg[1] = {};
-  while (k < k_end) {  // warp-uniform
-    const int e = min(k_end, rows_s[r + 1]);
+  return {k0, n0 + min(n, (warp + 1) * per), lo};
+}
+
+__device__ void balanced_tail_rows(const Params& p, const OffsetWord* w_s, const uint16_t* h_s,
+                                   const int* rows_s, TailRange t, const OffsetWord (&wreg)[1],
+                                   float* acc_s) {
+  const int lane = threadIdx.x & 31;
+  for (int k = t.k0, r = t.r0; k < t.k_end; ++r) {  // warp-uniform
+    const int e = min(t.k_end, rows_s[r + 1]);
     float acc[kB];
     row_dot<DType::kF16, kB, true, Words::kOffset, 32, 0>(
         p, w_s, 0, 1LL << 40, h_s, k, e, wreg, false, acc);
@@ -164,7 +173,6 @@ __device__ void balanced_tail_rows(const Params& p, const OffsetWord* w_s, const
     const float sum = sum_slices_transposed<kB, 32>(acc, lane, col);
     if (lane % (32 / kB) == 0) atomicAdd(acc_s + r * kB + col, sum);
     k = e;
-    ++r;
   }
 }
 
@@ -206,6 +214,8 @@ __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
   Params p{};
   p.H = kH;
   const OffsetWord wreg[1] = {};
+  const TailRange tail = ngroups == 0 && full < rows ? tail_range(tab_s, full, rows)
+                                                     : TailRange{0, 0, full};
   unsigned long long c0 = 0, n0 = 0;
   for (int s = 0; s < iters; ++s) {
     if (s == 1 && threadIdx.x == 0) c0 = clock64(), n0 = global_ns();  // step 0 warms up
@@ -217,7 +227,7 @@ __global__ void rows_kernel(int iters, const uint16_t* h, const uint32_t* words,
       }
       compute_rows<DType::kF16, kB, true, Words::kOffset, 32, 0>(
           p, w_s, 0, 1LL << 40, h_s, tab_s, full, wreg, acc_s);
-      if (full < rows) balanced_tail_rows(p, w_s, h_s, tab_s, full, rows, acc_s);
+      if (full < rows) balanced_tail_rows(p, w_s, h_s, tab_s, tail, wreg, acc_s);
     } else {
       diag_rows(reinterpret_cast<const uint4*>(w_s), reinterpret_cast<const char*>(h_s), tab_s,
                 tab_s + ngroups, tab_s + 2 * ngroups, ngroups, acc_s);
