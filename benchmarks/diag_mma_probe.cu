@@ -28,7 +28,8 @@
 // balancing could recover; variants 6 and 7 lose 1,378 and 664 cycles (call 2). Started apart,
 // the warps end when they would have (-0.6% to +0.9%, call 3): the rows are bound by the SM's
 // throughput, not by warps in lockstep. Session 73: with each warp's range found once per launch
-// (it was searched every step) variants 6 and 7 still lose 836 and 103 cycles.
+// (it was searched every step) variants 6 and 7 still lose 836 and 103 cycles. Session 74: with
+// the delay computed once and no clock read at zero delay, warps started apart save 0.8-3.1%.
 // Hand-written because no library times a block's shared-memory rows phase.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/diag_mma_probe.cu -o /tmp/diag_mma_probe
