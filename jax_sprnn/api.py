@@ -34,6 +34,7 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
     # Validate the caller's own dtypes: converting first would silently turn float64 to float32.
     xp, carry, b_hn = jax.tree.map(_as_array, (xp, carry, b_hn))
     lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
+    reverse = validation.check_reverse(reverse)
     xp, carry, b_hn = jax.tree.map(jnp.asarray, (xp, carry, b_hn))
     steps, batch, _ = xp.shape
     if steps == 0 or batch == 0:  # nothing to run: empty outputs, carry unchanged
@@ -42,9 +43,9 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
         _require_compiled_kernel()
     if implementation == "reference":
         return reference.recurrence(cell, xp, carry, w.to_dense(), lengths, b_hn,
-                                    reverse=bool(reverse), activation=activation)
+                                    reverse=reverse, activation=activation)
     return autodiff.sparse_recurrence(cell, xp, carry, w, lengths, b_hn,
-                                      reverse=bool(reverse), activation=activation)
+                                      reverse=reverse, activation=activation)
 
 
 def rnn(xp, h0, w: SparseWeights, activation: str = "tanh", seq_lengths=None, reverse=False, *,

@@ -63,9 +63,20 @@ def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
     return check_lengths(seq_lengths, steps, batch)
 
 
+def check_reverse(reverse) -> bool:
+    """reverse is static (it picks the kernel's direction): a bool, or the integer 0 or 1."""
+    if isinstance(reverse, (bool, np.bool_)) or (
+            isinstance(reverse, (int, np.integer)) and reverse in (0, 1)):
+        return bool(reverse)
+    raise TypeError(f"reverse must be a bool, got {reverse!r}; it is static, so under jit pass "
+                    "it as a static argument")
+
+
 def check_lengths(seq_lengths, steps: int, batch: int):
     if seq_lengths is None:
         return jnp.full((batch,), steps, jnp.int32)
+    if not hasattr(seq_lengths, "dtype"):  # a list or tuple, as xp and the carry may be
+        seq_lengths = np.asarray(seq_lengths)
     if not jnp.issubdtype(jnp.result_type(seq_lengths), jnp.integer):
         raise TypeError(f"seq_lengths must be integers, got {jnp.result_type(seq_lengths)}")
     check_shape("seq_lengths", seq_lengths, (batch,))

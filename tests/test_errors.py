@@ -68,6 +68,39 @@ def test_seq_lengths():
         sp.rnn(f32(T, B, H), f32(B, H), w, seq_lengths=np.array([1.0, 1.0]))
 
 
+def test_seq_lengths_as_a_list():
+    # Lists are taken as xp and the carry are; their values are still checked.
+    rng = np.random.default_rng(1)
+    xp, h0, w = rng.standard_normal((T, B, H)).astype(np.float32), f32(B, H), weights()
+    from_list = sp.rnn(xp, h0, w, seq_lengths=[3, 0])
+    from_array = sp.rnn(xp, h0, w, seq_lengths=np.array([3, 0]))
+    jax.tree.map(np.testing.assert_array_equal, from_list, from_array)
+    with pytest.raises(ValueError, match=r"\[0, T=4\]"):
+        sp.rnn(xp, h0, w, seq_lengths=[5, 1])
+    with pytest.raises(TypeError, match="integers"):
+        sp.rnn(xp, h0, w, seq_lengths=[1.5, 1.0])
+
+
+@pytest.mark.parametrize("reverse", ["yes", "False", None, 2, 0.5])
+def test_reverse_must_be_a_bool(reverse):
+    with pytest.raises(TypeError, match="reverse must be a bool"):
+        sp.rnn(f32(T, B, H), f32(B, H), weights(), reverse=reverse)
+
+
+def test_reverse_takes_numpy_bools_and_0_or_1():
+    xp = np.random.default_rng(2).standard_normal((T, B, H)).astype(np.float32)
+    args = (xp, f32(B, H), weights())
+    for flag, same_as in [(np.bool_(True), True), (1, True), (0, False), (np.int8(0), False)]:
+        jax.tree.map(np.testing.assert_array_equal, sp.rnn(*args, reverse=flag),
+                     sp.rnn(*args, reverse=same_as))
+
+
+def test_traced_reverse_is_an_error():
+    run = jax.jit(lambda r: sp.rnn(f32(T, B, H), f32(B, H), weights(), reverse=r))
+    with pytest.raises(TypeError, match="static argument"):
+        run(True)
+
+
 def test_b_hn():
     with pytest.raises(ValueError, match="b_hn must have shape"):
         sp.gru(f32(T, B, 3 * H), f32(B, H), weights(3), f32(H + 1))
