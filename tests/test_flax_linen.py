@@ -65,6 +65,25 @@ def test_extra_batch_dims():
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("time_major", [False, True])
+def test_zero_timesteps_like_flax_rnn(kind, time_major):
+    # T = 0 gives empty outputs and the initial carry, as nn.RNN (the layout reshape once failed).
+    rnn, variables, sparse, sparse_vars = flax_pair(kind)
+    x = inputs(steps=0)
+    if time_major:
+        x = jnp.swapaxes(x, 0, 1)
+    carry0 = jax.tree_util.tree_map(lambda c: c + 0.3,
+                                    rnn.cell.initialize_carry(jax.random.key(0), (4, 5)))
+    kw = dict(time_major=time_major, return_carry=True, initial_carry=carry0)
+    c_ref, y_ref = rnn.apply(variables, x, **kw)
+    for extra in ({}, dict(seq_lengths=np.zeros(4, np.int32), reverse=True)):
+        c, y = sparse.apply(sparse_vars, x, **kw, **extra)
+        assert y.shape == y_ref.shape == ((0, 4, H) if time_major else (4, 0, H))
+        assert_tree_close(c, c_ref, atol=0)
+        assert_tree_close(c, carry0, atol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
 @pytest.mark.parametrize("reverse,keep_order", [(False, False), (True, False), (True, True)])
 def test_seq_lengths_and_reverse(kind, reverse, keep_order):
     rnn, variables, sparse, sparse_vars = flax_pair(kind)

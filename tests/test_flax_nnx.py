@@ -47,6 +47,17 @@ def test_matches_nnx_rnn_on_dense_pattern(kind, time_major):
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_zero_timesteps_like_nnx_rnn(kind):
+    rnn = nnx.RNN(CELLS[kind](I, H, rngs=nnx.Rngs(0)), return_carry=True)
+    sparse = from_nnx_rnn(rnn)
+    x = inputs(steps=0)
+    c_ref, y_ref = rnn(x)
+    c, y = sparse(x)
+    assert y.shape == y_ref.shape == (4, 0, H)
+    assert_tree_close(c, c_ref, atol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
 @pytest.mark.parametrize("reverse,keep_order", [(False, False), (True, False), (True, True)])
 def test_seq_lengths_reverse_initial_carry(kind, reverse, keep_order):
     layer = LAYERS[kind](I, H, density=0.4, rngs=nnx.Rngs(1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import NamedTuple
 
 import jax
@@ -161,12 +162,13 @@ def to_time_major(inputs, time_major: bool):
     """(*batch, T, F) or (T, *batch, F) -> ((T, B, F), Layout)."""
     if inputs.ndim < 2:
         raise ValueError(f"inputs must have at least (time, features) axes, got {inputs.shape}")
+    # The batch size is spelled out, not -1: reshape cannot infer it when T = 0 (size 0).
     if time_major:
         steps, batch_shape = inputs.shape[0], inputs.shape[1:-1]
-        x = inputs.reshape((steps, -1, inputs.shape[-1]))
+        x = inputs.reshape((steps, math.prod(batch_shape), inputs.shape[-1]))
     else:
         steps, batch_shape = inputs.shape[-2], inputs.shape[:-2]
-        x = jnp.swapaxes(inputs.reshape((-1, steps, inputs.shape[-1])), 0, 1)
+        x = jnp.swapaxes(inputs.reshape((math.prod(batch_shape), steps, inputs.shape[-1])), 0, 1)
     return x, Layout(time_major, tuple(batch_shape), steps)
 
 
