@@ -41,16 +41,22 @@ def test_same_init_and_tree_as_flax_rnn(kind):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", sorted(CELLS))
-@pytest.mark.parametrize("time_major", [False, True])
-def test_layouts_return_carry_initial_carry(kind, time_major):
+def layout_case(kind, time_major, steps=7):
+    """flax_pair's layers, inputs in the layout, and call options with a nonzero initial carry."""
     rnn, variables, sparse, sparse_vars = flax_pair(kind)
-    x = inputs()
+    x = inputs(steps=steps)
     if time_major:
         x = jnp.swapaxes(x, 0, 1)
     carry0 = jax.tree_util.tree_map(lambda c: c + 0.3,
                                     rnn.cell.initialize_carry(jax.random.key(0), (4, 5)))
     kw = dict(time_major=time_major, return_carry=True, initial_carry=carry0)
+    return (rnn, variables), (sparse, sparse_vars), x, kw
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("time_major", [False, True])
+def test_layouts_return_carry_initial_carry(kind, time_major):
+    (rnn, variables), (sparse, sparse_vars), x, kw = layout_case(kind, time_major)
     c_ref, y_ref = rnn.apply(variables, x, **kw)
     c, y = sparse.apply(sparse_vars, x, **kw)
     assert y.shape == ((7, 4, H) if time_major else (4, 7, H))
@@ -68,19 +74,13 @@ def test_extra_batch_dims():
 @pytest.mark.parametrize("time_major", [False, True])
 def test_zero_timesteps_like_flax_rnn(kind, time_major):
     # T = 0 gives empty outputs and the initial carry, as nn.RNN (the layout reshape once failed).
-    rnn, variables, sparse, sparse_vars = flax_pair(kind)
-    x = inputs(steps=0)
-    if time_major:
-        x = jnp.swapaxes(x, 0, 1)
-    carry0 = jax.tree_util.tree_map(lambda c: c + 0.3,
-                                    rnn.cell.initialize_carry(jax.random.key(0), (4, 5)))
-    kw = dict(time_major=time_major, return_carry=True, initial_carry=carry0)
+    (rnn, variables), (sparse, sparse_vars), x, kw = layout_case(kind, time_major, steps=0)
     c_ref, y_ref = rnn.apply(variables, x, **kw)
     for extra in ({}, dict(seq_lengths=np.zeros(4, np.int32), reverse=True)):
         c, y = sparse.apply(sparse_vars, x, **kw, **extra)
         assert y.shape == y_ref.shape == ((0, 4, H) if time_major else (4, 0, H))
         assert_tree_close(c, c_ref, atol=0)
-        assert_tree_close(c, carry0, atol=0)
+        assert_tree_close(c, kw["initial_carry"], atol=0)
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))
