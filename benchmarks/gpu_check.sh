@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One GPU run: build, then the whole test suite, the benchmark (its ablation with ncu's
+# One GPU run: build, then the GPU kernel tests (verify), the benchmark (its ablation with ncu's
 # bank-conflict counts: bench_gpu.py --ablation --ncu) or
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
-#   benchmarks/gpu_check.sh [tests|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
+#   benchmarks/gpu_check.sh [bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
 #                            trace|all]
 #                                                                       (default all)
+# all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
+# bench: a smoke subset of the GPU tests, then the same benchmark.
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
 # verify: the GPU kernel tests (TEST_WORKERS=14 pytest-xdist workers), then bench_gpu.py
