@@ -104,6 +104,16 @@ def test_linen_unsupported():
         from_flax_rnn(rnn, rnn.init(jax.random.key(0), x))
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_linen_variables_without_params(bidirectional):
+    # A common slip: passing variables["params"]; it names the mistake instead of a KeyError.
+    rnn = nn.RNN(nn.LSTMCell(H))
+    module = nn.Bidirectional(rnn, nn.RNN(nn.LSTMCell(H))) if bidirectional else rnn
+    variables = module.init(jax.random.key(0), inputs())
+    with pytest.raises(ValueError, match=r"not variables\['params'\]"):
+        from_flax_rnn(module, variables["params"])
+
+
 # -- nnx --------------------------------------------------------------------------------------
 def _pruned_nnx(cell, density=0.3, seed=0, **rnn_kwargs):
     rnn = nnx.RNN(cell(I, H, rngs=nnx.Rngs(seed)), return_carry=True, **rnn_kwargs)

@@ -116,6 +116,10 @@ def from_flax_rnn(module, variables, mask=None, *, implementation: str = "auto")
       ``variables`` with the pruned recurrent entries set to zero.
     """
     variables = unfreeze(variables)
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+        raise ValueError("variables must be the module's variables, {'params': ...} as "
+                         f"module.init returns (not variables['params']); got {got}")
     if isinstance(module, nn.Bidirectional):
         params = variables["params"]
         if isinstance(mask, (tuple, list)):
