@@ -81,8 +81,13 @@ def evaluate(cfg, model, params, val: np.ndarray, quiet: bool, desc: str, repeat
 
 
 def run(cfg: charlm.Config, workdir: str, quiet: bool = False) -> list[dict]:
+    summary_path = Path(workdir) / "train_summary.json"
+    if not summary_path.exists():
+        raise SystemExit(f"no trained checkpoints in {workdir} ({summary_path.name} is missing): "
+                         f"train first, python examples/train_prune_lm.py --config {cfg.name} "
+                         f"--workdir {workdir}, or run examples/pruned_lm.py (both steps)")
     _, val = charlm.load_corpus(cfg.train_chars, cfg.val_chars)
-    summary = charlm.read_json(Path(workdir) / "train_summary.json")
+    summary = charlm.read_json(summary_path)
     rows = []
     for entry in summary["checkpoints"]:
         params, mask_tree = charlm.load_checkpoint(entry["path"])

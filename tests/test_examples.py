@@ -44,6 +44,11 @@ def test_tiny_pipeline_end_to_end(tmp_path):
             assert m.density == pytest.approx(entry["density"], abs=0.01)
 
 
+def test_evaluation_without_training_says_what_to_run(tmp_path):
+    with pytest.raises(SystemExit, match="train first"):
+        pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
+
+
 def test_linen_checkpoint_round_trip(tmp_path):
     cfg = charlm.CONFIGS["tiny"]
     model = charlm.make_model(cfg)
