@@ -68,6 +68,19 @@ def test_extra_batch_dims():
     rnn, variables, sparse, sparse_vars = flax_pair("lstm")
     x = inputs(batch=6).reshape(2, 3, 7, 5)
     np.testing.assert_allclose(sparse.apply(sparse_vars, x), rnn.apply(variables, x), atol=1e-5)
+    lengths = np.array([[7, 2, 5], [1, 7, 3]])
+    assert_close_valid(sparse.apply(sparse_vars, x, seq_lengths=lengths).reshape(6, 7, H),
+                       rnn.apply(variables, x, seq_lengths=lengths).reshape(6, 7, H),
+                       lengths.reshape(6))
+
+
+def test_call_argument_errors():
+    _, _, sparse, sparse_vars = flax_pair("lstm")
+    x = inputs()
+    with pytest.raises(ValueError, match=r"batch shape \(4,\), got \(3,\)"):
+        sparse.apply(sparse_vars, x, seq_lengths=np.array([1, 2, 3]))
+    with pytest.raises(TypeError, match=r"pair \(c, h\)"):
+        sparse.apply(sparse_vars, x, initial_carry=jnp.zeros((4, H)))
 
 
 @pytest.mark.parametrize("kind", sorted(CELLS))

@@ -239,11 +239,18 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
     if initial_carry is None:
         carry = zero_carry(cell, (batch,), hidden, dtype)
     else:
+        if cell == "lstm" and not (isinstance(initial_carry, (tuple, list))
+                                   and len(initial_carry) == 2):
+            raise TypeError("an LSTM's initial_carry must be a pair (c, h), as the Flax cell's")
         carry = jax.tree_util.tree_map(
             lambda c: _flat_batch(jnp.asarray(c), layout).astype(dtype), initial_carry)
     lengths = None
     if seq_lengths is not None:
-        lengths = jnp.asarray(seq_lengths).reshape((batch,))
+        lengths = jnp.asarray(seq_lengths)
+        if lengths.shape not in (layout.batch_shape, (batch,)):
+            raise ValueError(f"seq_lengths must have the inputs' batch shape "
+                             f"{layout.batch_shape}, got {lengths.shape}")
+        lengths = lengths.reshape((batch,))
 
     w = sp.SparseWeights.from_dense(kernel_h.astype(dtype), mask.array)
     kwargs = dict(seq_lengths=lengths, reverse=bool(reverse), implementation=implementation)
