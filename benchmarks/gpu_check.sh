@@ -3,10 +3,11 @@
 # bank-conflict counts: bench_gpu.py --ablation --ncu) or
 # the pruned-LM pipeline's GPU configuration. Everything goes under $OUT (default
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
-#   benchmarks/gpu_check.sh [bench|lm|quick|batch|cluster|profile|verify|timing|probe|
+#   benchmarks/gpu_check.sh [build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
 #                            trace|all]
 #                                                                       (default all)
+# build: the package only (then run what you need, e.g. pytest on chosen test files).
 # all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
 # bench: a smoke subset of the GPU tests, then the same benchmark.
 # batch: the batch sweep, then the large-batch-tile kernel tests.
@@ -36,6 +37,12 @@
 #   variant 3 vs 5 on the targets (bench_gpu.py --cluster). Fits one 8-minute call.
 set -uo pipefail
 MODE="${1:-all}"
+# A mistyped mode would otherwise build and stop without a word.
+case "$MODE" in
+  build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|probe-profile|exchange|\
+  l1-gather|cluster-reg|mma-clock|diag-mma|trace|all) ;;
+  *) echo "unknown mode '$MODE'; see the usage at the top of $0" >&2; exit 2 ;;
+esac
 OUT="${OUT:-benchmarks/results/run}"
 # The tree sent to the GPU machine has no .git: take the commit from the caller if given.
 export SPRNN_COMMIT="${SPRNN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

@@ -33,6 +33,7 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     # Validate the caller's own dtypes: converting first would silently turn float64 to float32.
     xp, carry, b_hn = jax.tree.map(_as_array, (xp, carry, b_hn))
+    seq_lengths = None if seq_lengths is None else _as_array(seq_lengths)  # a list too
     lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
     reverse = validation.check_reverse(reverse)
     xp, carry, b_hn = jax.tree.map(jnp.asarray, (xp, carry, b_hn))
@@ -65,7 +66,7 @@ def lstm(xp, carry, w: SparseWeights, seq_lengths=None, reverse=False, *,
     Returns (ys (T, B, H), (c_T, h_T)).
     """
     if not isinstance(carry, (tuple, list)) or len(carry) != 2:
-        raise TypeError("lstm's carry must be a pair (c0, h0)")
+        raise TypeError("lstm's carry must be a pair (c, h), c first as in Flax's LSTM cells")
     ys, (c, h) = _run("lstm", xp, tuple(carry), w, None, seq_lengths, reverse, 0, implementation)
     return ys, (c, h)
 

@@ -75,8 +75,6 @@ def check_reverse(reverse) -> bool:
 def check_lengths(seq_lengths, steps: int, batch: int):
     if seq_lengths is None:
         return jnp.full((batch,), steps, jnp.int32)
-    if not hasattr(seq_lengths, "dtype"):  # a list or tuple, as xp and the carry may be
-        seq_lengths = np.asarray(seq_lengths)
     if not jnp.issubdtype(jnp.result_type(seq_lengths), jnp.integer):
         raise TypeError(f"seq_lengths must be integers, got {jnp.result_type(seq_lengths)}")
     check_shape("seq_lengths", seq_lengths, (batch,))

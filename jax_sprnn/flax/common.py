@@ -239,9 +239,6 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
     if initial_carry is None:
         carry = zero_carry(cell, (batch,), hidden, dtype)
     else:
-        if cell == "lstm" and not (isinstance(initial_carry, (tuple, list))
-                                   and len(initial_carry) == 2):
-            raise TypeError("an LSTM's initial_carry must be a pair (c, h), as the Flax cell's")
         carry = jax.tree_util.tree_map(
             lambda c: _flat_batch(jnp.asarray(c), layout).astype(dtype), initial_carry)
     lengths = None
@@ -255,7 +252,7 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
     w = sp.SparseWeights.from_dense(kernel_h.astype(dtype), mask.array)
     kwargs = dict(seq_lengths=lengths, reverse=bool(reverse), implementation=implementation)
     if cell == "lstm":
-        ys, carry = sp.lstm(xp, tuple(carry), w, **kwargs)
+        ys, carry = sp.lstm(xp, carry, w, **kwargs)
     elif cell == "gru":
         if b_hn is None:
             b_hn = jnp.zeros((hidden,), dtype)
