@@ -88,6 +88,31 @@ def _keep_top(scores: np.ndarray, keep: int) -> np.ndarray:
     return mask.reshape(scores.shape)
 
 
+def _previous_masks(previous, leaves) -> list:
+    """``previous``'s masks leaf by leaf, checked against the parameter tree's paths and shapes."""
+    if previous is None:
+        return [None] * len(leaves)
+    prev = jax.tree_util.tree_flatten_with_path(previous)[0]
+    if len(prev) != len(leaves):
+        raise ValueError(f"previous masks have {len(prev)} leaves, the parameter tree "
+                         f"{len(leaves)}")
+    for (path, leaf), (prev_path, mask) in zip(leaves, prev):
+        if path_names(path) != path_names(prev_path) or np.shape(mask) != np.shape(leaf):
+            raise ValueError(
+                "previous masks do not match the parameter tree: "
+                f"{'/'.join(path_names(prev_path))} {np.shape(mask)} against "
+                f"{'/'.join(path_names(path))} {np.shape(leaf)}")
+    return [mask for _, mask in prev]
+
+
+def _check_no_regrowth(density: float, size: int, kept_before: int, what: str) -> None:
+    keep = int(round(density * size))
+    if keep > kept_before:
+        raise ValueError(f"density {density} keeps {keep} entries of {what}, but the previous "
+                         f"masks keep only {kept_before}: pruning never regrows weights "
+                         "(lower the density, or drop previous to prune from scratch)")
+
+
 def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_recurrent_kernel,
                     previous: PyTree | None = None, scope: str = "layer") -> PyTree:
     """Masks keeping the largest-magnitude fraction ``density`` of each selected leaf.
@@ -98,8 +123,9 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
         ``round(density * size)`` entries are kept per leaf (``scope="layer"``) or over all
         selected leaves together (``scope="global"``, one magnitude threshold).
       select: ``(path, leaf) -> bool``; default :func:`is_recurrent_kernel`.
-      previous: masks of an earlier pruning step: entries pruned there stay pruned (their
-        score is -inf), so gradual pruning never regrows weights.
+      previous: masks of an earlier pruning step, a tree of the same paths and shapes:
+        entries pruned there stay pruned, so gradual pruning never regrows weights. A
+        ``density`` that would keep more entries than ``previous`` does is an error.
       scope: "layer" or "global".
 
     Returns the mask tree (unselected leaves all True).
@@ -109,25 +135,25 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
     if scope not in ("layer", "global"):
         raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    prev = (jax.tree_util.tree_leaves(previous) if previous is not None
-            else [None] * len(leaves))
-    if len(prev) != len(leaves):
-        raise ValueError("previous masks do not match the parameter tree")
-    scores, chosen = [], []
+    prev = _previous_masks(previous, leaves)
+    scores, chosen, kept_before = [], [], []
     for (path, leaf), p in zip(leaves, prev):
         if not select(path, leaf):
             scores.append(None)
             continue
         s = np.abs(np.asarray(leaf, dtype=np.float32))
         if p is not None:
-            s = np.where(np.asarray(p, bool), s, -np.inf)
+            p = np.asarray(p, bool)
+            s = np.where(p, s, -np.inf)
         scores.append(s)
         chosen.append(s)
+        kept_before.append(s.size if p is None else int(p.sum()))
     if not chosen:
         raise ValueError("no parameter was selected for pruning (select matched no leaf)")
     out = []
     if scope == "global":
         flat = np.concatenate([s.reshape(-1) for s in chosen])
+        _check_no_regrowth(density, flat.size, sum(kept_before), "the selected leaves")
         kept = _keep_top(flat, int(round(density * flat.size)))
         offset = 0
         for (_, leaf), s in zip(leaves, scores):
@@ -137,9 +163,13 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
                 out.append(kept[offset:offset + s.size].reshape(s.shape))
                 offset += s.size
     else:
-        for (_, leaf), s in zip(leaves, scores):
-            out.append(np.ones(np.shape(leaf), np.bool_) if s is None
-                       else _keep_top(s, int(round(density * s.size))))
+        before = iter(kept_before)
+        for (path, leaf), s in zip(leaves, scores):
+            if s is None:
+                out.append(np.ones(np.shape(leaf), np.bool_))
+                continue
+            _check_no_regrowth(density, s.size, next(before), "/".join(path_names(path)))
+            out.append(_keep_top(s, int(round(density * s.size))))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -221,6 +251,9 @@ class PolynomialSchedule:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0 + 1e-12:
                 raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        if self.initial_sparsity > self.final_sparsity:
+            raise ValueError(f"initial_sparsity ({self.initial_sparsity}) must not exceed "
+                             f"final_sparsity ({self.final_sparsity}): pruning never regrows")
         if self.frequency < 1:
             raise ValueError(f"frequency must be >= 1, got {self.frequency}")
         if self.end_step <= self.begin_step:

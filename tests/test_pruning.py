@@ -141,3 +141,36 @@ def test_keep_pattern_transformation_and_masks_from_zeros():
     mask = masks["cell"]["hf"]["kernel"]
     assert np.all(kernel[~mask] == 0)
     assert np.all(kernel[mask] != np.asarray(pruned["cell"]["hf"]["kernel"])[mask])
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_previous_masks_forbid_regrowth(scope):
+    params = lstm_params()
+    masks = pruning.magnitude_masks(params, 0.25, scope=scope)
+    assert pruning.magnitude_masks(params, 0.25, previous=masks, scope=scope) is not None
+    with pytest.raises(ValueError, match="never regrows"):  # used to revive pruned entries
+        pruning.magnitude_masks(params, 0.5, previous=masks, scope=scope)
+    with pytest.raises(ValueError, match="must not exceed final_sparsity"):
+        pruning.PolynomialSchedule(final_sparsity=0.5, initial_sparsity=0.8, begin_step=0,
+                                   end_step=10)
+
+
+def test_previous_masks_must_match_the_tree():
+    params = lstm_params()
+    masks = pruning.ones_like_masks(params)
+    masks["cell"]["hf"]["kernel"] = np.ones((1, 4 * H), np.bool_)  # used to broadcast silently
+    with pytest.raises(ValueError, match=r"cell/hf/kernel \(1, 64\) against cell/hf/kernel"):
+        pruning.magnitude_masks(params, 0.5, previous=masks)
+    renamed = {"cell": {("x" + k): v for k, v in pruning.ones_like_masks(params)["cell"].items()}}
+    with pytest.raises(ValueError, match="do not match the parameter tree"):
+        pruning.magnitude_masks(params, 0.5, previous=renamed)
+    with pytest.raises(ValueError, match="leaves"):
+        pruning.magnitude_masks(params, 0.5, previous={"cell": masks["cell"]["hi"]})
+    # An nnx State and its pure dict name the same paths: either may be the previous masks.
+    model = nnx.RNN(nnx.OptimizedLSTMCell(5, H, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    first = pruning.magnitude_masks(nnx.to_pure_dict(state), 0.5)
+    second = pruning.magnitude_masks(state, 0.25, previous=first)
+    first, second = (np.asarray(m["cell"]["dense_h"]["kernel"]) for m in (first, second))
+    assert second.sum() == round(0.25 * H * 4 * H)
+    assert not np.any(second & ~first)
