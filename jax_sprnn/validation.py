@@ -52,12 +52,18 @@ def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
     if width != gates * hidden:
         raise ValueError(f"xp's last axis is {width} but the weights need {gates}*H = "
                          f"{gates * hidden} (H = {hidden})")
+    # The handlers check these too, but only as a JaxRuntimeError at run time.
+    check_shape("the weights' row_ptr", w.row_ptr, (gates * hidden + 1,))
+    check_shape("the weights' col_idx", w.col_idx, (w.nnz,))
     names = ("c0", "h0") if cell == "lstm" else ("h0",)
     for name, c in zip(names, carry):
         check_shape(name, c, (batch, hidden))
         check_dtype(name, c, dtype)
     check_dtype("the kernel values", w.values, dtype)
     if cell == "gru":
+        if b_hn is None:
+            raise TypeError("gru needs b_hn, the hidden-side bias of the n gate, shape (H,); "
+                            "pass zeros for a cell without one")
         check_shape("b_hn", b_hn, (hidden,))
         check_dtype("b_hn", b_hn, dtype)
     return check_lengths(seq_lengths, steps, batch)

@@ -104,6 +104,19 @@ def test_traced_reverse_is_an_error():
 def test_b_hn():
     with pytest.raises(ValueError, match="b_hn must have shape"):
         sp.gru(f32(T, B, 3 * H), f32(B, H), weights(3), f32(H + 1))
+    with pytest.raises(TypeError, match="gru needs b_hn"):  # was an AttributeError
+        sp.gru(f32(T, B, 3 * H), f32(B, H), weights(3), None)
+
+
+def test_inconsistent_packed_weights():
+    # Hand-built weights whose leaves disagree: the handlers' run-time errors come first here.
+    w = weights()
+    short_row_ptr = sp.SparseWeights(w.values, w.col_idx, w.row_ptr[:-1], hidden_size=H, gates=1)
+    with pytest.raises(ValueError, match=r"row_ptr must have shape \(7,\)"):
+        sp.rnn(f32(T, B, H), f32(B, H), short_row_ptr)
+    short_values = sp.SparseWeights(w.values[:-1], w.col_idx, w.row_ptr, hidden_size=H, gates=1)
+    with pytest.raises(ValueError, match="col_idx must have shape"):
+        sp.rnn(f32(T, B, H), f32(B, H), short_values)
 
 
 def test_activation_and_implementation():
