@@ -190,6 +190,9 @@ def test_masks_static_and_validated():
         SparseGRU(H, mask=np.ones((H, 3 * H), bool), density=0.5).init(jax.random.key(0), x)
     with pytest.raises(TypeError, match="boolean"):
         SparseLSTM(H, mask=np.ones((H, 4 * H)))
+    for features in (0, -1, 4.0):  # 0 was a ZeroDivisionError, -1 a broadcasting TypeError
+        with pytest.raises(ValueError, match="hidden size must be a positive integer"):
+            SparseLSTM(features).init(jax.random.key(0), x)
     # Values outside the mask are ignored.
     layer = SparseLSTM(H, mask=mask)
     variables = layer.init(jax.random.key(0), x)
@@ -221,3 +224,15 @@ def test_half_precision(dtype):
     y = layer.apply(variables, x)
     assert y.dtype == dtype
     np.testing.assert_allclose(np.asarray(y, np.float32), rnn.apply(variables, x), atol=3e-2)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_density_zero_is_flax_without_recurrent_weights(kind):
+    layer_cls, cell, _ = CELLS[kind]
+    x = inputs()
+    layer = layer_cls(H, density=0.0)  # used to be rejected; the kernel runs density 0
+    assert layer.static_mask.nnz == 0
+    variables = layer.init(jax.random.key(1), x)
+    zeroed = {"params": prune_recurrent(variables["params"], 0.0)}
+    np.testing.assert_allclose(layer.apply(variables, x), nn.RNN(cell(H)).apply(zeroed, x),
+                               atol=1e-5)

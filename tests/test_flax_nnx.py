@@ -152,5 +152,8 @@ def test_nnx_mask_errors():
         SparseLSTM(I, H, mask=np.ones((H, H), bool), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="density"):
         SparseGRU(I, H, density=1.5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="hidden size must be a positive integer"):
+        SparseGRU(I, 0, rngs=nnx.Rngs(0))  # was a ZeroDivisionError at the first call
+    assert SparseGRU(I, H, density=0.0, rngs=nnx.Rngs(0)).mask.nnz == 0
     with pytest.raises(ValueError, match="activation"):
         SparseSimpleRNN(I, H, activation="gelu", rngs=nnx.Rngs(0))

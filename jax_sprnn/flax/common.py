@@ -101,10 +101,12 @@ def as_static_mask(mask, hidden: int, gates: int) -> StaticMask | None:
 @functools.lru_cache(maxsize=64)
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
     """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel."""
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must lie in (0, 1], got {density}")
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must lie in [0, 1], got {density}")
     size = hidden * gates * hidden
-    keep = max(1, int(round(density * size)))
+    keep = int(round(density * size))
+    if density > 0:
+        keep = max(keep, 1)  # a tiny density still keeps one entry
     flat = np.zeros(size, np.bool_)
     flat[np.random.default_rng(seed).permutation(size)[:keep]] = True
     return StaticMask(flat.reshape(hidden, gates * hidden))
@@ -112,6 +114,9 @@ def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> Stati
 
 def layer_mask(mask, density, seed, hidden: int, gates: int) -> StaticMask:
     """The pattern a layer runs with: the given mask, a random one at ``density``, or dense."""
+    if isinstance(hidden, (bool, np.bool_)) or not isinstance(hidden, (int, np.integer)) \
+            or hidden < 1:
+        raise ValueError(f"the hidden size must be a positive integer, got {hidden!r}")
     if mask is not None and density is not None:
         raise ValueError("give either mask or density, not both")
     if mask is not None:

@@ -166,6 +166,7 @@ class _SparseRNNBase(nn.Module):
         """
         options = common.call_options(self, return_carry=return_carry, time_major=time_major,
                                       reverse=reverse, keep_order=keep_order)
+        mask = self.static_mask  # checks features and density before any parameter is made
         kernel_i, bias_i, kernel_h, b_hn = _CellParams(
             self.cell_type, self.features, self.kernel_init, self.recurrent_kernel_init,
             self.bias_init, self.param_dtype, name="cell")(inputs.shape[-1])
@@ -173,7 +174,7 @@ class _SparseRNNBase(nn.Module):
             initial_carry = self.initialize_carry(
                 jax.random.key(0) if init_key is None else init_key,
                 common.step_shape(inputs, options["time_major"]))
-        kernel_h, mask = self._kernel_and_mask(kernel_h, self.static_mask)
+        kernel_h, mask = self._kernel_and_mask(kernel_h, mask)
         return common.run_module(self, inputs, (kernel_i, bias_i, kernel_h, b_hn, mask), options,
                                  initial_carry, seq_lengths)
 
