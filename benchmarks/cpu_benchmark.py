@@ -41,7 +41,8 @@ def make_cell(cell, hidden, batch, steps, density, dtype, rng):
     """(sparse, dense, args): the jitted sparse op and dense scan of one cell, compiled."""
     gates = GATES[cell]
     mask = rng.random((hidden, gates * hidden)) < density
-    kernel = (rng.standard_normal(mask.shape) / np.sqrt(density * hidden) * mask).astype(dtype)
+    scale = 1.0 / np.sqrt(max(density, 1.0 / (gates * hidden)) * hidden)  # density 0: no NaN
+    kernel = (rng.standard_normal(mask.shape) * scale * mask).astype(dtype)
     xp = jnp.asarray(rng.standard_normal((steps, batch, gates * hidden)), dtype)
     carry = tuple(jnp.zeros((batch, hidden), dtype) for _ in range(2 if cell == "lstm" else 1))
     b_hn = jnp.zeros((hidden,), dtype)

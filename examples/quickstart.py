@@ -26,14 +26,18 @@ def median_ms(fn, *args, repeats=10):
     return statistics.median(times)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--density", type=float, default=0.1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hidden, batch, steps = args.hidden, args.batch, args.steps
+    if min(hidden, batch, steps) < 1:
+        parser.error("--hidden, --batch and --steps must be at least 1")
+    if not 0.0 <= args.density <= 1.0:
+        parser.error(f"--density must lie in [0, 1], got {args.density}")
 
     key_kernel, key_x = jax.random.split(jax.random.key(0))
     # A trained LSTM's recurrent kernel (H, 4H), magnitude-pruned to the target density.
@@ -46,7 +50,7 @@ def main():
 
     xp = jax.random.normal(key_x, (steps, batch, 4 * hidden))  # x_t @ W_x + b, all steps
     carry = (jnp.zeros((batch, hidden)), jnp.zeros((batch, hidden)))
-    lengths = jnp.array([steps - 3 * i for i in range(batch)], jnp.int32)
+    lengths = jnp.array([max(steps - 3 * i, 0) for i in range(batch)], jnp.int32)  # ragged
 
     sparse = jax.jit(lambda xp, c: sp.lstm(xp, c, weights, seq_lengths=lengths))
     dense = jax.jit(lambda xp, c: sp.lstm(xp, c, weights, seq_lengths=lengths,

@@ -15,6 +15,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import charlm  # noqa: E402
 import pruned_lm  # noqa: E402
+import quickstart  # noqa: E402
 
 from jax_sprnn import pruning  # noqa: E402
 from jax_sprnn.flax.nnx import SparseLSTM  # noqa: E402
@@ -42,6 +43,16 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert pruning.density_report(masks) == pytest.approx(pruning.density_report(params))
         for m in charlm.layer_masks(cfg, masks):
             assert m.density == pytest.approx(entry["density"], abs=0.01)
+
+
+def test_quickstart_more_sequences_than_steps_and_bad_arguments(capsys):
+    # Batch 8 over 12 steps gives the ragged lengths 12, 9, ..., 0, 0 (they went negative).
+    quickstart.main(["--hidden", "16", "--batch", "8", "--steps", "12"])
+    assert "agreement" in capsys.readouterr().out
+    for bad in (["--hidden", "0"], ["--density", "1.5"]):
+        with pytest.raises(SystemExit):
+            quickstart.main(bad)
+    assert "must" in capsys.readouterr().err
 
 
 def test_evaluation_without_training_says_what_to_run(tmp_path):
