@@ -76,3 +76,17 @@ def test_grad_under_jit_and_value_and_grad():
     ref_value = loss_fn("lstm", p["mask"], None, False, "reference")(*args)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     assert grads.shape == p["kernel"].shape
+
+
+def test_second_order_is_a_clear_error():
+    # Both used to end in JAX's "Differentiation rule for 'sprnn_...' not implemented".
+    p, (xp, carry, kernel, b_hn) = _problem("rnn")
+
+    def f(x):
+        return loss_fn("rnn", p["mask"], None, False)(x, carry, kernel, b_hn)
+
+    jax.grad(f)(xp)  # first order works
+    with pytest.raises(NotImplementedError, match="differentiable once, in reverse mode"):
+        jax.hessian(f)(xp)
+    with pytest.raises(NotImplementedError, match="differentiable once, in reverse mode"):
+        jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(xp)

@@ -1,6 +1,7 @@
 """Reverse-mode autodiff of the recurrence: a custom VJP pairing the two primitives.
 
-Forward-mode (jvp) is not defined: the backward handlers implement the VJP directly.
+Forward-mode (jvp) is not defined: the backward handlers implement the VJP directly, so the
+primitives themselves get a jvp rule that only explains this (JAX's default names no fix).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.interpreters import ad
 
 from jax_sprnn.primitives import lowering  # noqa: F401 (registers the lowerings)
 from jax_sprnn.primitives.recurrence import CELLS, backward_p, forward_p
@@ -54,6 +56,17 @@ def _recurrence_bwd(cell, reverse, activation, residuals, cotangents):
 
 
 _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+def _only_first_order_reverse(*_, **__):
+    raise NotImplementedError(
+        "jax_sprnn's recurrence is differentiable once, in reverse mode (jax.grad, vjp, "
+        "jacrev); forward mode (jvp, jacfwd) and derivatives of derivatives (hessian, grad of "
+        "grad) are not supported: use implementation='reference' for those")
+
+
+for _primitive in (forward_p, backward_p):  # reached by hessian and grad of grad
+    ad.primitive_jvps[_primitive] = _only_first_order_reverse
 
 
 def sparse_recurrence(cell, xp, carry, w, lengths, b_hn=None, *, reverse=False, activation=0):
