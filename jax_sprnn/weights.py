@@ -55,8 +55,12 @@ class SparseWeights:
         """Packs the entries of ``kernel`` kept by ``mask`` (default: ``kernel != 0``).
 
         ``kernel`` may be traced when ``mask`` is given: gradients flow to the kept entries.
-        ``mask`` must be a concrete boolean array of the kernel's shape.
+        ``mask`` must be a concrete boolean array of the kernel's shape. ``bank_period``: the
+        bank-aware order's period (packing.bank_aware_order); 0 keeps column order.
         """
+        if isinstance(bank_period, (bool, np.bool_)) or \
+                not isinstance(bank_period, (int, np.integer)) or bank_period < 0:
+            raise ValueError(f"bank_period must be an integer >= 0, got {bank_period!r}")
         shape = tuple(np.shape(kernel))
         if len(shape) != 2 or shape[0] < 1 or shape[1] % shape[0] != 0:
             raise ValueError(f"kernel must have shape (H, G*H) with H >= 1, got {shape}")

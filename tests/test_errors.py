@@ -137,6 +137,13 @@ def test_kernel_shape(shape):
         sp.SparseWeights.from_dense(np.ones(shape, np.float32))
 
 
+@pytest.mark.parametrize("bank_period", [-3, 2.5, "16", True])
+def test_bank_period(bank_period):
+    # A string or float used to fail inside NumPy; a negative one silently meant 0.
+    with pytest.raises(ValueError, match="bank_period must be an integer >= 0"):
+        sp.SparseWeights.from_dense(np.ones((H, H), np.float32), bank_period=bank_period)
+
+
 def test_mask_errors():
     kernel = np.ones((H, H), np.float32)
     with pytest.raises(TypeError, match="boolean"):
