@@ -37,8 +37,8 @@ def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
         raise ValueError(f"{cell} needs a kernel of shape (H, {gates}*H) but the weights have "
                          f"{w.gates} gate(s)")
     if np.ndim(w.values) != 1:
-        raise ValueError("the weights have batch dimensions; vmap over weights is not supported "
-                         "(weights are shared across the batch)")
+        raise ValueError("the weights have batch dimensions; one call takes one set of weights "
+                         "(for several, an ensemble, jax.vmap the call over them)")
     if w.layout_version != LAYOUT_VERSION:
         raise ValueError(f"packed layout version {w.layout_version} is not supported (this "
                          f"build reads version {LAYOUT_VERSION}); repack with from_dense")

@@ -236,3 +236,16 @@ def test_density_zero_is_flax_without_recurrent_weights(kind):
     zeroed = {"params": prune_recurrent(variables["params"], 0.0)}
     np.testing.assert_allclose(layer.apply(variables, x), nn.RNN(cell(H)).apply(zeroed, x),
                                atol=1e-5)
+
+
+def test_ensemble_under_nn_vmap():
+    """nn.vmap over the parameters (an ensemble): each member computes what it computes alone."""
+    x = inputs()
+    ensemble = nn.vmap(SparseGRU, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=None, axis_size=3)(H, density=0.4)
+    variables = ensemble.init(jax.random.key(0), x)
+    ys = ensemble.apply(variables, x)
+    single = SparseGRU(H, density=0.4, implementation="reference")
+    for i in range(3):
+        member = jax.tree.map(lambda a: a[i], variables)
+        np.testing.assert_allclose(ys[i], single.apply(member, x), atol=1e-5)

@@ -4,7 +4,8 @@ Operands follow the FFI targets in docs/INTERFACE.md exactly, so lowering is a p
 Each operand and result has a *role* that says how vmap folds it into the batch axis:
   time:    (T, B, ...)    batch axis 1
   batch:   (B, ...)       batch axis 0
-  shared:  weights, b_hn  never batched (vmap over weights is an error)
+  shared:  weights, b_hn  one copy for all instances (when vmap maps them too, an ensemble,
+                          the instances run one after another)
   grouped: (groups, ...)  per-instance weight gradients; vmap multiplies the groups
 """
 
@@ -98,9 +99,6 @@ backward_p.def_impl(functools.partial(xla.apply_primitive, backward_p))
 def _fold(x, dim, role, size):
     """Moves the vmapped axis next to the batch axis and merges the two."""
     if role == SHARED:
-        if dim is not None:
-            raise ValueError("jax_sprnn: the recurrent weights and b_hn cannot be batched under "
-                             "vmap; they are shared by every instance (map over xp and the carry)")
         return x
     axis = 1 if role == TIME else 0
     if dim is None:
@@ -116,10 +114,30 @@ def _unfold(y, role, size):
     return y.reshape(y.shape[:axis] + (size, -1) + y.shape[axis + 1:]), axis
 
 
+def _per_instance(primitive, args, dims, params):
+    """One call per instance, in sequence: for weights that differ between instances.
+
+    The recurrence cannot share one launch between different weights (each is held on chip), so
+    lax.map runs the instances in turn; operands vmap does not map are passed to every call.
+    """
+    mapped = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(operands):
+        full = list(args)
+        for i, operand in zip(mapped, operands):
+            full[i] = operand
+        return primitive.bind(*full, **params)
+
+    outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
+    return outs, [0] * len(outs)
+
+
 def _make_batching_rule(primitive, roles_of):
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         in_roles, out_roles = roles_of(params["cell"])
+        if any(d is not None for d, r in zip(dims, in_roles) if r == SHARED):
+            return _per_instance(primitive, args, dims, params)
         folded = [_fold(a, d, r, size) for a, d, r in zip(args, dims, in_roles)]
         if "groups" in params:
             params = dict(params, groups=params["groups"] * size)
