@@ -128,12 +128,18 @@ def pack_mask(mask: np.ndarray, gates: int, bank_period: int = DEFAULT_BANK_PERI
     return in_unit.astype(np.int32), out_col.astype(np.int32), row_ptr.astype(np.int32)
 
 
+def check_packed_shapes(col_idx, row_ptr, hidden: int, gates: int, nnz: int):
+    """The layout's shapes alone (traced arrays too): every call checks them before a kernel."""
+    if tuple(row_ptr.shape) != (gates * hidden + 1,):
+        raise ValueError(f"row_ptr must have shape ({gates * hidden + 1},), "
+                         f"got {tuple(row_ptr.shape)}")
+    if tuple(col_idx.shape) != (nnz,):
+        raise ValueError(f"col_idx must have shape ({nnz},), got {tuple(col_idx.shape)}")
+
+
 def validate_packed(col_idx: np.ndarray, row_ptr: np.ndarray, hidden: int, gates: int, nnz: int):
     """Checks a packed layout on the host; raises ValueError describing the first problem."""
-    if row_ptr.shape != (gates * hidden + 1,):
-        raise ValueError(f"row_ptr must have shape ({gates * hidden + 1},), got {row_ptr.shape}")
-    if col_idx.shape != (nnz,):
-        raise ValueError(f"col_idx must have shape ({nnz},), got {col_idx.shape}")
+    check_packed_shapes(col_idx, row_ptr, hidden, gates, nnz)
     if row_ptr[0] != 0 or row_ptr[-1] != nnz or np.any(np.diff(row_ptr) < 0):
         raise ValueError("row_ptr must start at 0, end at nnz and never decrease")
     if nnz and (col_idx.min() < 0 or col_idx.max() >= hidden):

@@ -136,24 +136,28 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
         raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     prev = _previous_masks(previous, leaves)
-    scores, chosen, kept_before = [], [], []
+    scores, chosen, kept_before = [], [], 0
     for (path, leaf), p in zip(leaves, prev):
         if not select(path, leaf):
             scores.append(None)
             continue
         s = np.abs(np.asarray(leaf, dtype=np.float32))
+        kept = s.size
         if p is not None:
             p = np.asarray(p, bool)
             s = np.where(p, s, -np.inf)
+            kept = int(p.sum())
+        if scope == "layer":
+            _check_no_regrowth(density, s.size, kept, "/".join(path_names(path)))
         scores.append(s)
         chosen.append(s)
-        kept_before.append(s.size if p is None else int(p.sum()))
+        kept_before += kept
     if not chosen:
         raise ValueError("no parameter was selected for pruning (select matched no leaf)")
     out = []
     if scope == "global":
         flat = np.concatenate([s.reshape(-1) for s in chosen])
-        _check_no_regrowth(density, flat.size, sum(kept_before), "the selected leaves")
+        _check_no_regrowth(density, flat.size, kept_before, "the selected leaves")
         kept = _keep_top(flat, int(round(density * flat.size)))
         offset = 0
         for (_, leaf), s in zip(leaves, scores):
@@ -163,13 +167,9 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
                 out.append(kept[offset:offset + s.size].reshape(s.shape))
                 offset += s.size
     else:
-        before = iter(kept_before)
-        for (path, leaf), s in zip(leaves, scores):
-            if s is None:
-                out.append(np.ones(np.shape(leaf), np.bool_))
-                continue
-            _check_no_regrowth(density, s.size, next(before), "/".join(path_names(path)))
-            out.append(_keep_top(s, int(round(density * s.size))))
+        for (_, leaf), s in zip(leaves, scores):
+            out.append(np.ones(np.shape(leaf), np.bool_) if s is None
+                       else _keep_top(s, int(round(density * s.size))))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
