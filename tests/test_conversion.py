@@ -114,6 +114,34 @@ def test_linen_variables_without_params(bidirectional):
         from_flax_rnn(module, variables["params"])
 
 
+def test_linen_variables_of_another_size():
+    rnn = nn.RNN(nn.LSTMCell(H))
+    other = nn.RNN(nn.LSTMCell(H - 2)).init(jax.random.key(0), inputs())
+    with pytest.raises(ValueError, match=r"do not match the module.*\(6, 6\)"):
+        from_flax_rnn(rnn, other)
+
+
+def _bad_masks(tree):
+    """Masks the converters refuse: float leaves (0.3 would keep everything) and 1 or 3 masks
+    for a Bidirectional."""
+    floats = jax.tree_util.tree_map(lambda a: np.full(np.shape(a), 0.3), tree)
+    return [(floats, TypeError, "boolean"), ((None,), ValueError, "pair of masks.*got 1"),
+            ((None,) * 3, ValueError, "pair of masks.*got 3")]
+
+
+def test_linen_bad_masks():
+    rnn = nn.RNN(nn.LSTMCell(H))
+    bi = nn.Bidirectional(rnn, nn.RNN(nn.LSTMCell(H)))
+    x = inputs()
+    variables, bi_variables = rnn.init(jax.random.key(0), x), bi.init(jax.random.key(0), x)
+    (floats, error, match), *pairs = _bad_masks(variables)
+    with pytest.raises(error, match=match):
+        from_flax_rnn(rnn, variables, mask=floats)
+    for mask, error, match in pairs:
+        with pytest.raises(error, match=match):
+            from_flax_rnn(bi, bi_variables, mask=mask)
+
+
 # -- nnx --------------------------------------------------------------------------------------
 def _pruned_nnx(cell, density=0.3, seed=0, **rnn_kwargs):
     rnn = nnx.RNN(cell(I, H, rngs=nnx.Rngs(seed)), return_carry=True, **rnn_kwargs)
@@ -173,3 +201,14 @@ def test_nnx_unsupported():
 
 class _Other(nnx.Module):
     num_feature_axes = 1
+
+
+def test_nnx_bad_masks():
+    rnn = nnx.RNN(nnx.LSTMCell(I, H, rngs=nnx.Rngs(0)))
+    bi = nnx.Bidirectional(rnn, nnx.RNN(nnx.LSTMCell(I, H, rngs=nnx.Rngs(1))), rngs=nnx.Rngs(2))
+    (floats, error, match), *pairs = _bad_masks(nnx.to_pure_dict(nnx.state(rnn, nnx.Param)))
+    with pytest.raises(error, match=match):
+        from_nnx_rnn(rnn, mask=floats)
+    for mask, error, match in pairs:
+        with pytest.raises(error, match=match):
+            from_nnx_rnn(bi, mask=mask)

@@ -68,11 +68,11 @@ def _mask_array(mask, kernel_h, hidden: int, gates: int, gate_masks=None) -> np.
     if mask is None and gate_masks is None:
         return np.asarray(kernel_h) != 0
     if gate_masks is not None:
-        array = np.concatenate([np.asarray(m, dtype=bool) for m in gate_masks], axis=-1)
+        array = np.concatenate([np.asarray(m) for m in gate_masks], axis=-1)
     else:
         array = np.asarray(mask.array if isinstance(mask, StaticMask) else mask)
-        if array.dtype != np.bool_:
-            raise TypeError(f"mask must be boolean, got dtype {array.dtype}")
+    if array.dtype != np.bool_:  # a float 0/1 tree would otherwise keep every nonzero entry
+        raise TypeError(f"mask must be boolean, got dtype {array.dtype}")
     if array.shape != (hidden, gates * hidden):
         raise ValueError(f"the recurrent mask must have shape ({hidden}, {gates * hidden}), "
                          f"got {array.shape}")
@@ -85,6 +85,19 @@ def _subtree(tree, *keys):
         if isinstance(tree, Mapping) and key in tree:
             tree = tree[key]
     return tree
+
+
+def _direction_masks(mask, tree_keys):
+    """(forward, backward) masks of a Bidirectional: a pair, a tree, or one mask for both."""
+    if isinstance(mask, (tuple, list)):
+        if len(mask) != 2:
+            raise ValueError("a Bidirectional takes a pair of masks (forward, backward), "
+                             f"got {len(mask)}")
+        return mask
+    if isinstance(mask, Mapping):
+        tree = _subtree(mask, *tree_keys)
+        return tree["forward_rnn"], tree["backward_rnn"]
+    return mask, mask
 
 
 def _split_tree_mask(mask, names):
@@ -122,13 +135,7 @@ def from_flax_rnn(module, variables, mask=None, *, implementation: str = "auto")
                          f"module.init returns (not variables['params']); got {got}")
     if isinstance(module, nn.Bidirectional):
         params = variables["params"]
-        if isinstance(mask, (tuple, list)):
-            masks = mask
-        elif isinstance(mask, Mapping):
-            tree = _subtree(mask, "params")
-            masks = (tree["forward_rnn"], tree["backward_rnn"])
-        else:
-            masks = (mask, mask)
+        masks = _direction_masks(mask, ("params",))
         fwd, fwd_vars = from_flax_rnn(module.forward_rnn, {"params": params["forward_rnn"]},
                                       masks[0], implementation=implementation)
         bwd, bwd_vars = from_flax_rnn(module.backward_rnn, {"params": params["backward_rnn"]},
@@ -147,6 +154,12 @@ def from_flax_rnn(module, variables, mask=None, *, implementation: str = "auto")
     names = _RECURRENT[kind]
     hidden = cell.features
     gates = common.GATES[kind]
+    for n in names:  # variables of another model would fail later as a broadcasting error
+        shape = np.shape(params[n]["kernel"])
+        if shape != (hidden, hidden):
+            raise ValueError(f"variables do not match the module: params['cell']['{n}'] "
+                             f"kernel has shape {shape}, the cell's features={hidden} needs "
+                             f"({hidden}, {hidden})")
     kernel_h = np.concatenate([np.asarray(params[n]["kernel"]) for n in names], axis=-1)
     array = _mask_array(None if isinstance(mask, Mapping) else mask, kernel_h, hidden, gates,
                         _split_tree_mask(mask, names))
@@ -206,12 +219,7 @@ def from_nnx_rnn(rnn, mask=None, *, implementation: str = "auto"):
     Returns a new sparse module holding copies of the parameters (pruned entries zeroed).
     """
     if isinstance(rnn, nnx.Bidirectional):
-        if isinstance(mask, (tuple, list)):
-            masks = mask
-        elif isinstance(mask, Mapping):
-            masks = (mask["forward_rnn"], mask["backward_rnn"])
-        else:
-            masks = (mask, mask)
+        masks = _direction_masks(mask, ())
         fwd = from_nnx_rnn(rnn.forward_rnn, masks[0], implementation=implementation)
         bwd = from_nnx_rnn(rnn.backward_rnn, masks[1], implementation=implementation)
         return nnx.Bidirectional(fwd, bwd, merge_fn=rnn.merge_fn, time_major=rnn.time_major,
