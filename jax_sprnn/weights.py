@@ -19,7 +19,12 @@ def _concrete(x, what: str) -> np.ndarray:
     return np.asarray(x)
 
 
-@jax.tree_util.register_pytree_node_class
+_LEAVES = ("values", "col_idx", "row_ptr")
+
+
+# Keyed leaves, so tree paths read `.values` / `.col_idx` / `.row_ptr` (optax / orbax labels,
+# JAX's error messages) instead of flat indices.
+@jax.tree_util.register_pytree_with_keys_class
 class SparseWeights:
     """A recurrent kernel ``(H, G*H)`` (Flax convention ``h @ kernel``) stored as sparse rows.
 
@@ -39,9 +44,15 @@ class SparseWeights:
         self.layout_version = layout_version
 
     # -- pytree ----------------------------------------------------------------------------
+    def _aux(self):
+        return self.hidden_size, self.gates, self.bank_period, self.layout_version
+
     def tree_flatten(self):
-        aux = (self.hidden_size, self.gates, self.bank_period, self.layout_version)
-        return (self.values, self.col_idx, self.row_ptr), aux
+        return tuple(getattr(self, name) for name in _LEAVES), self._aux()
+
+    def tree_flatten_with_keys(self):
+        return (tuple((jax.tree_util.GetAttrKey(name), getattr(self, name)) for name in _LEAVES),
+                self._aux())
 
     @classmethod
     def tree_unflatten(cls, aux, children):

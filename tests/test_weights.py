@@ -113,6 +113,24 @@ def test_pytree_and_traced_kernel():
     np.testing.assert_allclose(grad, 2 * kernel * mask)
 
 
+def test_pytree_paths_name_the_leaves(tmp_path):
+    w = sp.SparseWeights.from_dense(np.eye(6, 18, dtype=np.float32) + 0.5 * np.eye(6, 18, 3))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(w)[0]]
+    assert paths == [".values", ".col_idx", ".row_ptr"]
+    # What the names are for: picking the trainable leaf by path (optax / Flax labels).
+    halved = jax.tree_util.tree_map_with_path(
+        lambda p, x: x / 2 if jax.tree_util.keystr(p) == ".values" else x, w)
+    np.testing.assert_array_equal(halved.to_dense(), w.to_dense() / 2)
+    # An Orbax checkpoint restores the same weights (leaves saved under their names).
+    import orbax.checkpoint as ocp
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "w", w)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "w", w)
+    assert isinstance(restored, sp.SparseWeights) and restored.gates == 3
+    np.testing.assert_array_equal(restored.to_dense(), w.to_dense())
+
+
 def test_validate_rejects_bad_layouts():
     w = sp.SparseWeights.from_dense(np.eye(4, dtype=np.float32))
     bad = sp.SparseWeights(w.values, w.col_idx + 4, w.row_ptr, hidden_size=4, gates=1)
