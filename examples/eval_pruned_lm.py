@@ -86,8 +86,14 @@ def run(cfg: charlm.Config, workdir: str, quiet: bool = False) -> list[dict]:
         raise SystemExit(f"no trained checkpoints in {workdir} ({summary_path.name} is missing): "
                          f"train first, python examples/train_prune_lm.py --config {cfg.name} "
                          f"--workdir {workdir}, or run examples/pruned_lm.py (both steps)")
-    _, val = charlm.load_corpus(cfg.train_chars, cfg.val_chars)
     summary = charlm.read_json(summary_path)
+    if summary.get("config") != cfg.name:  # another config's checkpoints have other shapes
+        raise SystemExit(f"the checkpoints in {workdir} were trained with --config "
+                         f"{summary.get('config')}, not {cfg.name}: evaluate them with that "
+                         "config, or train this one in another --workdir")
+    if not summary.get("checkpoints"):
+        raise SystemExit(f"{summary_path} lists no checkpoints: train again")
+    _, val = charlm.load_corpus(cfg.train_chars, cfg.val_chars)
     rows = []
     for entry in summary["checkpoints"]:
         params, mask_tree = charlm.load_checkpoint(entry["path"])

@@ -60,6 +60,15 @@ def test_evaluation_without_training_says_what_to_run(tmp_path):
         pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
 
 
+def test_evaluation_of_another_config_or_no_checkpoints_says_why(tmp_path):
+    charlm.write_json(tmp_path / "train_summary.json", {"config": "cpu", "checkpoints": []})
+    with pytest.raises(SystemExit, match="trained with --config cpu, not tiny"):
+        pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
+    charlm.write_json(tmp_path / "train_summary.json", {"config": "tiny", "checkpoints": []})
+    with pytest.raises(SystemExit, match="lists no checkpoints"):
+        pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
+
+
 def test_linen_checkpoint_round_trip(tmp_path):
     cfg = charlm.CONFIGS["tiny"]
     model = charlm.make_model(cfg)
