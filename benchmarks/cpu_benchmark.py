@@ -73,17 +73,25 @@ def relative_difference(sparse, dense, args) -> float:
     return float(np.linalg.norm(ys_s - ys_d) / max(np.linalg.norm(ys_d), 1e-30))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--density", type=float, default=0.1)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--repeats", type=int, default=21, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", default="rnn,lstm,gru")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    cells = args.cells.split(",")
+    if min(args.hidden, args.batch, args.steps, args.repeats, args.rounds) < 1:
+        parser.error("--hidden, --batch, --steps, --repeats and --rounds must be at least 1")
+    if not 0.0 <= args.density <= 1.0:
+        parser.error(f"--density must lie in [0, 1], got {args.density}")
+    if set(cells) - set(GATES):
+        parser.error(f"--cells takes a comma-separated subset of {', '.join(GATES)}, "
+                     f"got {args.cells!r}")
     rng = np.random.default_rng(0)
     print(f"# jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"{jax.device_count('cpu')} cpu device(s); H={args.hidden} B={args.batch} "
@@ -91,7 +99,6 @@ def main():
           f"{args.repeats} alternating calls")
     print(f"{'cell':5} {'sparse C++ ms':>14} {'dense scan ms':>14} {'us/step sparse':>15} "
           f"{'us/step dense':>14} {'speed-up':>9} {'rel.diff':>9}   speed-up per round min/med/max")
-    cells = args.cells.split(",")
     setups = {c: make_cell(c, args.hidden, args.batch, args.steps, args.density,
                            jnp.dtype(args.dtype), rng) for c in cells}
     calls = {c: ([], []) for c in cells}
