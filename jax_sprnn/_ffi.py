@@ -7,11 +7,21 @@ import importlib
 import jax
 
 
+_MISSING: dict[str, str] = {}  # extension -> why it is not there, for the error messages
+
+
 def _load(module: str):
     try:
         return importlib.import_module(f"jax_sprnn.{module}")
-    except ImportError:
+    except ImportError as error:  # not built (no compiler / nvcc), or built but unloadable
+        not_built = isinstance(error, ModuleNotFoundError) and error.name == f"jax_sprnn.{module}"
+        _MISSING[module] = "was not built" if not_built else f"failed to load ({error})"
         return None
+
+
+def why_missing(module: str) -> str:
+    """'was not built' or 'failed to load (...)' for an extension that did not import."""
+    return _MISSING.get(module, "is loaded")
 
 
 _cpu = _load("_sprnn_cpu")
@@ -30,5 +40,6 @@ cuda_module = _cuda
 def require_cpu_extension():
     if _cpu is None:
         raise ImportError(
-            "jax_sprnn's C++ extension (_sprnn_cpu) is not built. Install the package with "
-            "`pip install .` (see README.md) instead of importing it from the source tree.")
+            f"jax_sprnn's C++ extension (_sprnn_cpu) {why_missing('_sprnn_cpu')}. Install the "
+            "package with `pip install .` (see README.md and BUILD_NOTES.md) instead of "
+            "importing it from the source tree.")

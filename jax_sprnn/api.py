@@ -17,10 +17,12 @@ IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 def _require_compiled_kernel():
     backend = jax.default_backend()
+    extension = {"gpu": "_sprnn_cuda", "cpu": "_sprnn_cpu"}.get(backend)
     targets = _ffi.CUDA_TARGETS if backend == "gpu" else _ffi.CPU_TARGETS
-    if backend not in ("cpu", "gpu") or not targets:
+    if extension is None or not targets:
+        why = "" if extension is None else f": its extension {_ffi.why_missing(extension)}"
         raise RuntimeError(f"implementation='kernel' needs jax_sprnn's compiled handler for the "
-                           f"{backend!r} backend, which this build does not have "
+                           f"{backend!r} backend, which this build does not have{why} "
                            "(see BUILD_NOTES.md)")
 
 

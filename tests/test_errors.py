@@ -174,3 +174,26 @@ def test_kernel_implementation_requires_compiled_handler(monkeypatch):
         monkeypatch.setattr(_ffi, "CUDA_TARGETS", frozenset())
     with pytest.raises(RuntimeError, match="compiled handler"):
         sp.rnn(xp, h0, w, implementation="kernel")
+
+
+def test_missing_extension_says_why(monkeypatch):
+    # "not built" and "built but cannot load" need different fixes; the messages tell which.
+    from jax_sprnn import _ffi
+
+    monkeypatch.setattr(_ffi, "_MISSING", {})
+    assert _ffi._load("_sprnn_never_built") is None
+    assert _ffi.why_missing("_sprnn_never_built") == "was not built"
+
+    def unloadable(name):
+        raise ImportError("libcudart.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(_ffi.importlib, "import_module", unloadable)
+    assert _ffi._load("_sprnn_cuda") is None
+    assert _ffi.why_missing("_sprnn_cuda") == (
+        "failed to load (libcudart.so.13: cannot open shared object file)")
+    backend = "_sprnn_cuda" if jax.default_backend() == "gpu" else "_sprnn_cpu"
+    monkeypatch.setitem(_ffi._MISSING, backend, "failed to load (bad ELF)")
+    monkeypatch.setattr(_ffi, "CPU_TARGETS", frozenset())
+    monkeypatch.setattr(_ffi, "CUDA_TARGETS", frozenset())
+    with pytest.raises(RuntimeError, match=r"its extension failed to load \(bad ELF\)"):
+        sp.rnn(f32(T, B, H), f32(B, H), weights(), implementation="kernel")

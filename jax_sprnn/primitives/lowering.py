@@ -44,9 +44,9 @@ def _forward_cuda(ctx, *operands, cell, **params):
         return cuda_lowering.forward_lowering(ctx, *operands, cell=cell, **params)
     if not _warned_no_cuda:
         _warned_no_cuda.append(True)
-        warnings.warn("jax_sprnn was built without its CUDA extension (nvcc was not found at "
-                      "build time): GPU calls run the pure-JAX lax.scan fallback. Rebuild with "
-                      "nvcc on PATH (see BUILD_NOTES.md) for the sparse persistent kernel.",
+        warnings.warn(f"jax_sprnn's CUDA extension {_ffi.why_missing('_sprnn_cuda')}: GPU "
+                      "calls run the pure-JAX lax.scan fallback. Rebuild with nvcc on PATH (see "
+                      "BUILD_NOTES.md) for the sparse persistent kernel.",
                       RuntimeWarning, stacklevel=2)
     return mlir.lower_fun(functools.partial(jax_fallback.forward, cell=cell, **params),
                           multiple_results=True)(ctx, *operands)
