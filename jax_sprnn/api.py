@@ -1,4 +1,21 @@
-"""The functional API: sparse rnn / lstm / gru over a precomputed input projection."""
+"""The functional API: sparse rnn / lstm / gru over a precomputed input projection.
+
+Arguments shared by the three functions:
+
+- ``xp``: ``(T, B, G*H)``, time-major: ``x_t @ W_x + b`` for every step, the input-side biases
+  included (G = 1 rnn, 4 lstm, 3 gru, in the cell's gate order).
+- ``w``: :class:`SparseWeights` of the recurrent kernel ``(H, G*H)`` (``pre = h @ kernel``).
+- ``seq_lengths``: ``(B,)`` integers in ``[0, T]`` or None (all T). Sequence ``b`` runs the
+  steps ``t < L_b``; ``ys`` is 0 at the others and the returned carry is the state after the
+  last valid step (the initial one if ``L_b = 0``). Traced lengths are clamped to ``[0, T]``.
+- ``reverse``: a static bool; True runs ``t = L_b - 1 .. 0`` and writes ``ys`` in place.
+- ``implementation``: "auto" (the compiled kernel of the platform; the pure-JAX fallback with a
+  warning where none was built), "kernel" (the compiled kernel or an error) or "reference"
+  (the dense ``lax.scan``).
+
+xp, the carry, the kernel values and b_hn share one dtype (float32, bfloat16 or float16);
+accumulation is float32. Bad shapes, dtypes or lengths raise before anything runs.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +70,11 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
 
 def rnn(xp, h0, w: SparseWeights, activation: str = "tanh", seq_lengths=None, reverse=False, *,
         implementation: str = "auto"):
-    """Simple RNN ``h' = act(xp_t + h @ W)``. xp: (T, B, H). Returns (ys (T, B, H), h_T)."""
+    """Simple RNN (Flax's SimpleCell): ``h' = act(xp_t + h @ W)``, act "tanh" or "relu".
+
+    xp (T, B, H), h0 (B, H); the other arguments as in ``help(jax_sprnn.api)``.
+    Returns ``(ys (T, B, H), h_T)``.
+    """
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
     ys, (h,) = _run("rnn", xp, (h0,), w, None, seq_lengths, reverse,
@@ -63,9 +84,11 @@ def rnn(xp, h0, w: SparseWeights, activation: str = "tanh", seq_lengths=None, re
 
 def lstm(xp, carry, w: SparseWeights, seq_lengths=None, reverse=False, *,
          implementation: str = "auto"):
-    """LSTM (Flax's LSTMCell, gates i, f, g, o). xp: (T, B, 4H); carry (c0, h0).
+    """LSTM (Flax's LSTMCell): gates i, f, g, o; ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``,
+    ``h' = sigmoid(o) tanh(c')``.
 
-    Returns (ys (T, B, H), (c_T, h_T)).
+    xp (T, B, 4H), carry ``(c0, h0)`` (c first, as in Flax), each (B, H); the other arguments
+    as in ``help(jax_sprnn.api)``. Returns ``(ys (T, B, H), (c_T, h_T))``.
     """
     if not isinstance(carry, (tuple, list)) or len(carry) != 2:
         raise TypeError("lstm's carry must be a pair (c, h), c first as in Flax's LSTM cells")
@@ -75,9 +98,11 @@ def lstm(xp, carry, w: SparseWeights, seq_lengths=None, reverse=False, *,
 
 def gru(xp, h0, w: SparseWeights, b_hn, seq_lengths=None, reverse=False, *,
         implementation: str = "auto"):
-    """GRU (Flax's GRUCell, gates r, z, n; b_hn is the hidden-side bias of n). xp: (T, B, 3H).
+    """GRU (Flax's GRUCell): gates r, z, n; ``n = tanh(xp_n + r * (h @ W_n + b_hn))``,
+    ``h' = (1 - z) n + z h``.
 
-    Returns (ys (T, B, H), h_T).
+    xp (T, B, 3H), h0 (B, H), b_hn (H,) the hidden-side bias of n (zeros for none); the other
+    arguments as in ``help(jax_sprnn.api)``. Returns ``(ys (T, B, H), h_T)``.
     """
     ys, (h,) = _run("gru", xp, (h0,), w, b_hn, seq_lengths, reverse, 0, implementation)
     return ys, h
