@@ -179,7 +179,6 @@ class _SparseRNNBase(nn.Module):
                                  initial_carry, seq_lengths)
 
 
-
 class SparseLSTM(_SparseRNNBase):
     """Sparse LSTM layer: ``nn.RNN(nn.LSTMCell(features))`` with a pruned recurrent kernel.
 
