@@ -34,6 +34,22 @@ def test_weights_as_jit_argument():
     assert oracle.rel_error(ys, ref) < 2e-5
 
 
+def test_jax_export_with_the_custom_call_check_disabled():
+    # README's recipe: JAX refuses our targets by default and runs them once allowed.
+    from jax import export
+
+    _, p, w = _setup()
+    f = jax.jit(lambda xp, carry: sp.lstm(xp, carry, w))
+    target = "sprnn_lstm_fwd"
+    with pytest.raises(ValueError, match=target):
+        export.export(f)(p["xp"], p["carry"])
+    exported = export.export(
+        f, disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(p["xp"], p["carry"])
+    ys, _ = exported.call(p["xp"], p["carry"])
+    ref, _ = oracle.run("lstm", p["xp"], p["carry"], p["kernel"])
+    assert oracle.rel_error(ys, ref) < 2e-5
+
+
 @pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
 def test_vmap_over_xp_carry_and_lengths(cell):
     rng, p, w = _setup(cell)
