@@ -50,6 +50,29 @@ def test_jax_export_with_the_custom_call_check_disabled():
     assert oracle.rel_error(ys, ref) < 2e-5
 
 
+def test_jax_export_with_symbolic_steps_and_batch():
+    from jax import export
+
+    from jax_sprnn.primitives import cuda_lowering
+
+    _, p, w = _setup()
+    f = jax.jit(lambda xp, carry: sp.lstm(xp, carry, w))
+    checks = [export.DisabledSafetyCheck.custom_call("sprnn_lstm_fwd")]
+    steps, batch, hidden = export.symbolic_shape("t, b, 13")
+    args = (jax.ShapeDtypeStruct((steps, 3, 4 * hidden), jnp.float32),
+            (jax.ShapeDtypeStruct((3, hidden), jnp.float32),) * 2)
+    exported = export.export(f, disabled_checks=checks)(*args)  # any number of steps
+    for t in (2, 6):
+        ys, _ = exported.call(p["xp"][:t], p["carry"])
+        assert oracle.rel_error(ys, oracle.run("lstm", p["xp"][:t], p["carry"], p["kernel"])[0]) \
+            < 2e-5
+    if cuda_lowering.available("lstm"):  # the CUDA plan and workspace depend on the batch
+        batch_args = (jax.ShapeDtypeStruct((6, batch, 4 * hidden), jnp.float32),
+                      (jax.ShapeDtypeStruct((batch, hidden), jnp.float32),) * 2)
+        with pytest.raises(ValueError, match="concrete batch size"):
+            export.export(f, disabled_checks=checks, platforms=("cuda",))(*batch_args)
+
+
 @pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
 def test_vmap_over_xp_carry_and_lengths(cell):
     rng, p, w = _setup(cell)

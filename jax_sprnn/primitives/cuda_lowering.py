@@ -147,6 +147,10 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     xp_aval = ctx.avals_in[0]
     values_aval = ctx.avals_in[2]
     steps, batch, gh = xp_aval.shape
+    if not isinstance(batch, (int, np.integer)):  # jax.export with a symbolic batch
+        raise ValueError(f"the CUDA kernel needs a concrete batch size (its workspace and plan "
+                         f"depend on it), got the symbolic dimension {batch}; export with a "
+                         "concrete batch (a symbolic number of steps works)")
     gates = CELLS[cell].gates
     hidden = gh // gates
     nnz = values_aval.shape[0]
