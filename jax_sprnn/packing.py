@@ -128,8 +128,12 @@ def pack_mask(mask: np.ndarray, gates: int, bank_period: int = DEFAULT_BANK_PERI
     return in_unit.astype(np.int32), out_col.astype(np.int32), row_ptr.astype(np.int32)
 
 
-def check_packed_shapes(col_idx, row_ptr, hidden: int, gates: int, nnz: int):
-    """The layout's shapes alone (traced arrays too): every call checks them before a kernel."""
+def check_packed_arrays(col_idx, row_ptr, hidden: int, gates: int, nnz: int):
+    """The layout's shapes and integer dtypes (traced arrays too): every call checks them
+    before a kernel."""
+    for name, array in (("col_idx", col_idx), ("row_ptr", row_ptr)):
+        if not np.issubdtype(np.dtype(array.dtype), np.integer):
+            raise TypeError(f"{name} must be an integer array, got dtype {array.dtype}")
     if tuple(row_ptr.shape) != (gates * hidden + 1,):
         raise ValueError(f"row_ptr must have shape ({gates * hidden + 1},), "
                          f"got {tuple(row_ptr.shape)}")
@@ -139,7 +143,7 @@ def check_packed_shapes(col_idx, row_ptr, hidden: int, gates: int, nnz: int):
 
 def validate_packed(col_idx: np.ndarray, row_ptr: np.ndarray, hidden: int, gates: int, nnz: int):
     """Checks a packed layout on the host; raises ValueError describing the first problem."""
-    check_packed_shapes(col_idx, row_ptr, hidden, gates, nnz)
+    check_packed_arrays(col_idx, row_ptr, hidden, gates, nnz)
     if row_ptr[0] != 0 or row_ptr[-1] != nnz or np.any(np.diff(row_ptr) < 0):
         raise ValueError("row_ptr must start at 0, end at nnz and never decrease")
     if nnz and (col_idx.min() < 0 or col_idx.max() >= hidden):

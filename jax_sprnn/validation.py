@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sprnn.packing import LAYOUT_VERSION, check_packed_shapes
+from jax_sprnn.packing import LAYOUT_VERSION, check_packed_arrays
 from jax_sprnn.weights import SparseWeights
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -53,7 +53,7 @@ def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
         raise ValueError(f"xp's last axis is {width} but the weights need {gates}*H = "
                          f"{gates * hidden} (H = {hidden})")
     # The handlers check these too, but only as a JaxRuntimeError at run time.
-    check_packed_shapes(w.col_idx, w.row_ptr, hidden, gates, w.nnz)
+    check_packed_arrays(w.col_idx, w.row_ptr, hidden, gates, w.nnz)
     names = ("c0", "h0") if cell == "lstm" else ("h0",)
     for name, c in zip(names, carry):
         check_shape(name, c, (batch, hidden))

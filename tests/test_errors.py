@@ -117,6 +117,23 @@ def test_inconsistent_packed_weights():
     short_values = sp.SparseWeights(w.values[:-1], w.col_idx, w.row_ptr, hidden_size=H, gates=1)
     with pytest.raises(ValueError, match="col_idx must have shape"):
         sp.rnn(f32(T, B, H), f32(B, H), short_values)
+    float_row_ptr = sp.SparseWeights(w.values, w.col_idx, np.asarray(w.row_ptr, np.float32),
+                                     hidden_size=H, gates=1)
+    with pytest.raises(TypeError, match="row_ptr must be an integer array"):
+        sp.rnn(f32(T, B, H), f32(B, H), float_row_ptr)
+
+
+def test_int64_pattern_under_x64():
+    # Weights built by hand with x64 on hold int64 patterns; the handlers take int32.
+    w = weights()
+    xp = np.random.default_rng(1).standard_normal((T, B, H)).astype(np.float32)
+    expected = sp.rnn(xp, f32(B, H), w)[0]
+    with jax.enable_x64(True):
+        w64 = sp.SparseWeights(w.values, jnp.asarray(np.asarray(w.col_idx), jnp.int64),
+                               jnp.asarray(np.asarray(w.row_ptr), jnp.int64), hidden_size=H,
+                               gates=1)
+        assert w64.col_idx.dtype == jnp.int64
+        np.testing.assert_array_equal(sp.rnn(xp, f32(B, H), w64)[0], expected)
 
 
 def test_activation_and_implementation():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.interpreters import ad
 
 from jax_sprnn.primitives import lowering  # noqa: F401 (registers the lowerings)
@@ -71,5 +72,7 @@ for _primitive in (forward_p, backward_p):  # reached by hessian and grad of gra
 
 def sparse_recurrence(cell, xp, carry, w, lengths, b_hn=None, *, reverse=False, activation=0):
     """Runs the validated recurrence through the primitives. Returns (ys, carry_T)."""
-    return _recurrence(cell, bool(reverse), int(activation), xp, lengths, w.values, w.col_idx,
-                       w.row_ptr, tuple(carry), b_hn)
+    # The handlers take int32 patterns; hand-built weights may hold int64 (x64) or other ints.
+    col_idx, row_ptr = (jnp.asarray(a, jnp.int32) for a in (w.col_idx, w.row_ptr))
+    return _recurrence(cell, bool(reverse), int(activation), xp, lengths, w.values, col_idx,
+                       row_ptr, tuple(carry), b_hn)
