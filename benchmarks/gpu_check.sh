@@ -16,7 +16,8 @@
 #   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
 #   cut by TEST_TIMEOUT (default 470 s). The whole file needs 430-500 s, about what a 600-s call
 #   leaves after the build (90-140 s, sessions 46-47): TEST_SHARD=1/2, then 2/2 in a second call.
-# timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick".
+# timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick", cut after
+#   BENCH_TIMEOUT (default 400) s; a benchmark cut by its limit ends its log with "CUT by".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
@@ -133,6 +134,18 @@ if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first laun
   exit 0
 fi
 
+# Runs benchmarks/$1 (further arguments after the next three) under a limit of $2 s, its output
+# in $OUT/$3 and its last $4 lines here. A run cut by the limit says so: the tables it saved
+# until then are partial (session 78's targets run lost its B=64 row without a word).
+run_bench() {
+  local script="$1" limit="$2" log="$3" lines="$4"; shift 4
+  timeout "$limit" $PY "benchmarks/$script" --out "$OUT" "$@" 2>&1 | tee "$OUT/$log" \
+    | tail -n "$lines"
+  if [ "${PIPESTATUS[0]}" -eq 124 ]; then
+    printf '\nCUT by its %s-s time limit: the tables are partial\n' "$limit" | tee -a "$OUT/$log"
+  fi
+}
+
 t0=$(date +%s)
 $PY -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1
 rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
@@ -157,16 +170,17 @@ if [ "$MODE" = verify ]; then
   grep -E "^(FAILED|ERROR)|passed|failed|CUT by" "$OUT/test_gpu.log" | tail -n 40 > "$OUT/summary_tests.txt"
   cat "$OUT/summary_tests.txt"
   if [ "${BENCH_ARGS:-}" != none ]; then
-    timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -30
+    run_bench bench_gpu.py "${BENCH_TIMEOUT:-200}" bench.log 30 ${BENCH_ARGS:---targets}
     cat "$OUT/summary_tests.txt"
   fi
   exit $tests_rc
 fi
 if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
-  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:---targets} 2>&1 | tee "$OUT/bench.log" | tail -40
+  # 400 s: the README's figures (--targets --device-time --batch --quick) took over 300 once.
+  run_bench bench_gpu.py "${BENCH_TIMEOUT:-400}" bench.log 40 ${BENCH_ARGS:---targets}
 fi
 if [ "$MODE" = trace ]; then  # the device timeline of chained calls (benchmarks/trace_calls.py)
-  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/trace_calls.py --out "$OUT" ${TRACE_ARGS:-} 2>&1 | tee "$OUT/trace.log" | tail -40
+  run_bench trace_calls.py "${BENCH_TIMEOUT:-300}" trace.log 40 ${TRACE_ARGS:-}
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
   REPO="$(pwd)"
@@ -175,14 +189,14 @@ if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   if [ "$MODE" = quick ]; then
-    timeout 300 $PY benchmarks/bench_gpu.py --out "$OUT" --tune --targets --ablation 2>&1 | tee "$OUT/bench.log" | tail -30
+    run_bench bench_gpu.py 300 bench.log 30 --tune --targets --ablation
   else
-    timeout 480 $PY benchmarks/bench_gpu.py --out "$OUT" --targets --ablation --ncu --batch --sweeps --quick 2>&1 | tee "$OUT/bench.log" | tail -45
+    run_bench bench_gpu.py 480 bench.log 45 --targets --ablation --ncu --batch --sweeps --quick
   fi
 fi
 if [ "$MODE" = batch ]; then  # the batch sweep first, then the large-tile kernel tests
   REPO="$(pwd)"
-  timeout 70 $PY benchmarks/bench_gpu.py --out "$OUT" --batch --quick 2>&1 | tee "$OUT/bench.log" | tail -30
+  run_bench bench_gpu.py 70 bench.log 30 --batch --quick
   (cd /tmp && timeout 100 $PY -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
      -k "large_batch or forced or block_local or bidirectional" 2>&1) | tee "$OUT/test_batch.log" | tail -15
 fi
@@ -190,7 +204,7 @@ if [ "$MODE" = cluster ]; then
   REPO="$(pwd)"
   (cd /tmp && timeout 240 $PY -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_gpu_kernel.py" \
      -k "cluster or bidirectional or public_api or vmap or tile_plans or float16-3" 2>&1) | tee "$OUT/test_cluster.log" | tail -15
-  timeout 130 $PY benchmarks/bench_gpu.py --out "$OUT" --cluster 2>&1 | tee "$OUT/bench.log" | tail -25
+  run_bench bench_gpu.py 130 bench.log 25 --cluster
 fi
 if [ "$MODE" = profile ]; then  # ncu full sections + per-SASS-line stalls, variants 3 and 5
   for v in ${PROFILE_VARIANTS:-3 5}; do
