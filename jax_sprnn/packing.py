@@ -142,7 +142,8 @@ def check_packed_arrays(col_idx, row_ptr, hidden: int, gates: int, nnz: int):
 
 
 def validate_packed(col_idx: np.ndarray, row_ptr: np.ndarray, hidden: int, gates: int, nnz: int):
-    """Checks a packed layout on the host; raises ValueError describing the first problem."""
+    """Checks a packed layout on the host; raises ValueError (TypeError for non-integer
+    arrays) describing the first problem."""
     check_packed_arrays(col_idx, row_ptr, hidden, gates, nnz)
     if row_ptr[0] != 0 or row_ptr[-1] != nnz or np.any(np.diff(row_ptr) < 0):
         raise ValueError("row_ptr must start at 0, end at nnz and never decrease")
