@@ -250,3 +250,27 @@ def test_ensemble_under_nn_vmap():
     for i in range(3):
         member = jax.tree.map(lambda a: a[i], variables)
         np.testing.assert_allclose(ys[i], single.apply(member, x), atol=1e-5)
+
+
+def test_public_mask_and_flip_helpers():
+    from flax.linen.recurrent import flip_sequences as flax_flip
+
+    from jax_sprnn.flax import flip_sequences, random_mask
+
+    mask = random_mask(5, 4, 0.3, seed=2)
+    assert mask.array.shape == (5, 20) and mask.nnz == 30
+    assert random_mask(5, 4, 0.3, seed=2) == mask and random_mask(5, 4, 1e-9).nnz == 1
+    for bad in [(0, 4, 0.3), (2.5, 4, 0.3), (5, 5, 0.3), (5, 4, 1.5)]:
+        with pytest.raises(ValueError):
+            random_mask(*bad)
+    x = jnp.arange(2 * 5 * 3, dtype=jnp.float32).reshape(2, 5, 3)
+    lengths = jnp.array([5, 2])
+    np.testing.assert_array_equal(flip_sequences(x, lengths, time_axis=1),
+                                  flax_flip(x, lengths, num_batch_dims=1, time_major=False))
+    x_tm = jnp.swapaxes(x, 0, 1)
+    np.testing.assert_array_equal(flip_sequences(x_tm, lengths, time_axis=0),
+                                  flax_flip(x_tm, lengths, num_batch_dims=1, time_major=True))
+    with pytest.raises(ValueError, match="time_axis"):
+        flip_sequences(x, lengths, time_axis=2)
+    with pytest.raises(ValueError, match=r"seq_lengths must have shape \(2,\)"):
+        flip_sequences(x, jnp.array([5, 2, 1]), time_axis=1)

@@ -99,8 +99,17 @@ def as_static_mask(mask, hidden: int, gates: int) -> StaticMask | None:
 
 
 @functools.lru_cache(maxsize=64)
+def _check_hidden(hidden) -> None:
+    if isinstance(hidden, (bool, np.bool_)) or not isinstance(hidden, (int, np.integer)) \
+            or hidden < 1:
+        raise ValueError(f"the hidden size must be a positive integer, got {hidden!r}")
+
+
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
     """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel."""
+    _check_hidden(hidden)
+    if gates not in GATES.values():
+        raise ValueError(f"gates must be 1 (rnn), 4 (lstm) or 3 (gru), got {gates!r}")
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density must lie in [0, 1], got {density}")
     size = hidden * gates * hidden
@@ -114,9 +123,7 @@ def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> Stati
 
 def layer_mask(mask, density, seed, hidden: int, gates: int) -> StaticMask:
     """The pattern a layer runs with: the given mask, a random one at ``density``, or dense."""
-    if isinstance(hidden, (bool, np.bool_)) or not isinstance(hidden, (int, np.integer)) \
-            or hidden < 1:
-        raise ValueError(f"the hidden size must be a positive integer, got {hidden!r}")
+    _check_hidden(hidden)
     if mask is not None and density is not None:
         raise ValueError("give either mask or density, not both")
     if mask is not None:
@@ -139,10 +146,19 @@ def flip_sequences(x, seq_lengths, time_axis: int):
 
     Same result as ``flax.linen.recurrent.flip_sequences`` for one batch axis next to time.
     """
+    if x.ndim < 2 or time_axis % x.ndim not in (0, 1):
+        raise ValueError(f"time_axis must be 0 or 1 (time and one batch axis lead), got "
+                         f"{time_axis} for shape {x.shape}")
+    time_axis %= x.ndim
     steps = x.shape[time_axis]
     if seq_lengths is None:
         return jnp.flip(x, axis=time_axis)
-    idx = jnp.arange(steps - 1, -1, -1)[None, :] + jnp.asarray(seq_lengths)[:, None]
+    seq_lengths = jnp.asarray(seq_lengths)
+    if seq_lengths.shape != (x.shape[1 - time_axis],):
+        raise ValueError(f"seq_lengths must have shape ({x.shape[1 - time_axis]},) for inputs "
+                         f"of shape {x.shape} with time on axis {time_axis}, got "
+                         f"{seq_lengths.shape}")
+    idx = jnp.arange(steps - 1, -1, -1)[None, :] + seq_lengths[:, None]
     idx = idx % steps  # (B, T)
     if time_axis == 0:
         idx = idx.T
