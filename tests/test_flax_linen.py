@@ -260,6 +260,7 @@ def test_public_mask_and_flip_helpers():
     mask = random_mask(5, 4, 0.3, seed=2)
     assert mask.array.shape == (5, 20) and mask.nnz == 30
     assert random_mask(5, 4, 0.3, seed=2) == mask and random_mask(5, 4, 1e-9).nnz == 1
+    assert random_mask(5, 4, 0.3, seed=2) is mask  # cached: a re-trace draws no new permutation
     for bad in [(0, 4, 0.3), (2.5, 4, 0.3), (5, 5, 0.3), (5, 4, 1.5)]:
         with pytest.raises(ValueError):
             random_mask(*bad)

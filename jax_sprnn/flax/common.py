@@ -98,13 +98,13 @@ def as_static_mask(mask, hidden: int, gates: int) -> StaticMask | None:
     return mask
 
 
-@functools.lru_cache(maxsize=64)
 def _check_hidden(hidden) -> None:
     if isinstance(hidden, (bool, np.bool_)) or not isinstance(hidden, (int, np.integer)) \
             or hidden < 1:
         raise ValueError(f"the hidden size must be a positive integer, got {hidden!r}")
 
 
+@functools.lru_cache(maxsize=64)
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
     """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel."""
     _check_hidden(hidden)
