@@ -44,15 +44,21 @@ def _require_compiled_kernel():
 
 
 def _as_array(x):
-    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+    """An array argument as given; a (nested) list becomes one array, keeping its own dtype."""
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return x
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x)):
+        return jnp.asarray(x)  # e.g. a list of traced steps; NumPy cannot hold tracers
+    return np.asarray(x)
 
 
 def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementation):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     # Validate the caller's own dtypes: converting first would silently turn float64 to float32.
-    xp, carry, b_hn = jax.tree.map(_as_array, (xp, carry, b_hn))
-    seq_lengths = None if seq_lengths is None else _as_array(seq_lengths)  # a list too
+    # Whole arguments, not their leaves: a list h0 is one array, not a list of scalars.
+    xp, carry = _as_array(xp), tuple(_as_array(c) for c in carry)
+    b_hn, seq_lengths = (None if x is None else _as_array(x) for x in (b_hn, seq_lengths))
     lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
     reverse = validation.check_reverse(reverse)
     xp, carry, b_hn = jax.tree.map(jnp.asarray, (xp, carry, b_hn))

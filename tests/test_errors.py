@@ -81,6 +81,31 @@ def test_seq_lengths_as_a_list():
         sp.rnn(xp, h0, w, seq_lengths=[1.5, 1.0])
 
 
+def test_array_arguments_as_lists():
+    # Each argument converts as a whole and keeps its dtype (lists used to be mapped leaf by
+    # leaf and fail with "'list' object has no attribute 'shape'").
+    rng = np.random.default_rng(3)
+    xp = rng.standard_normal((T, B, 3 * H)).astype(np.float32)
+    h0 = rng.standard_normal((B, H)).astype(np.float32)
+    b_hn = rng.standard_normal(H).astype(np.float32)
+    w = weights(3)
+    expected = sp.gru(xp, h0, w, b_hn)
+    jax.tree.map(np.testing.assert_array_equal, sp.gru(list(xp), list(h0), w, list(b_hn)),
+                 expected)
+    traced_steps = jax.jit(lambda xp: sp.gru([xp[t] for t in range(T)], h0, w, b_hn))(xp)
+    jax.tree.map(np.testing.assert_array_equal, traced_steps, expected)
+    carry = rng.standard_normal((2, B, H)).astype(np.float32)
+    xp4 = rng.standard_normal((T, B, 4 * H)).astype(np.float32)
+    jax.tree.map(np.testing.assert_array_equal,
+                 sp.lstm(xp4, [list(carry[0]), list(carry[1])], weights(4)),
+                 sp.lstm(xp4, tuple(carry), weights(4)))
+    # Python floats are float64: refused like a float64 array, not rounded silently.
+    with pytest.raises(TypeError, match="h0 has dtype float64"):
+        sp.gru(xp, h0.tolist(), w, b_hn)
+    with pytest.raises(TypeError, match="unsupported dtype float64"):
+        sp.gru(xp.tolist(), h0, w, b_hn)
+
+
 @pytest.mark.parametrize("reverse", ["yes", "False", None, 2, 0.5])
 def test_reverse_must_be_a_bool(reverse):
     with pytest.raises(TypeError, match="reverse must be a bool"):
