@@ -60,7 +60,7 @@ def _run(cell, xp, carry, w, b_hn, seq_lengths, reverse, activation, implementat
     xp, carry = _as_array(xp), tuple(_as_array(c) for c in carry)
     b_hn, seq_lengths = (None if x is None else _as_array(x) for x in (b_hn, seq_lengths))
     lengths = validation.check_call(cell, xp, carry, w, b_hn, seq_lengths)
-    reverse = validation.check_reverse(reverse)
+    reverse = validation.check_flag("reverse", reverse)
     xp, carry, b_hn = jax.tree.map(jnp.asarray, (xp, carry, b_hn))
     steps, batch, _ = xp.shape
     if steps == 0 or batch == 0:  # nothing to run: empty outputs, carry unchanged

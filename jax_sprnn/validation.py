@@ -68,12 +68,15 @@ def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
     return check_lengths(seq_lengths, steps, batch)
 
 
-def check_reverse(reverse) -> bool:
-    """reverse is static (it picks the kernel's direction): a bool, or the integer 0 or 1."""
-    if isinstance(reverse, (bool, np.bool_)) or (
-            isinstance(reverse, (int, np.integer)) and reverse in (0, 1)):
-        return bool(reverse)
-    raise TypeError(f"reverse must be a bool, got {reverse!r}; it is static, so under jit pass "
+def check_flag(name: str, value) -> bool:
+    """A static switch (reverse picks the kernel's direction): a bool, or the integer 0 or 1.
+
+    Not ``bool(value)``: that would run ``"False"`` as True.
+    """
+    if isinstance(value, (bool, np.bool_)) or (
+            isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}; it is static, so under jit pass "
                     "it as a static argument")
 
 

@@ -83,6 +83,19 @@ def test_call_argument_errors():
         sparse.apply(sparse_vars, x, initial_carry=jnp.zeros((4, H)))
 
 
+@pytest.mark.parametrize("option", ["reverse", "keep_order", "time_major", "return_carry"])
+def test_call_options_must_be_bools(option):
+    # Truthiness used to run reverse="False" reversed (and time_major="False" time-major).
+    _, _, sparse, sparse_vars = flax_pair("gru")
+    x = inputs()
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got 'False'"):
+        sparse.apply(sparse_vars, x, **{option: "False"})
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got 2"):
+        sparse.clone(**{option: 2}).apply(sparse_vars, x)
+    as_bool = sparse.clone(**{option: np.False_}).apply(sparse_vars, x, **{option: 0})
+    np.testing.assert_array_equal(as_bool, sparse.apply(sparse_vars, x))
+
+
 @pytest.mark.parametrize("kind", sorted(CELLS))
 @pytest.mark.parametrize("time_major", [False, True])
 def test_zero_timesteps_like_flax_rnn(kind, time_major):

@@ -147,6 +147,17 @@ def test_gru_recurrent_bias_matches_linen_gru():
     np.testing.assert_allclose(sparse.apply(sv, x), layer(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("option", ["reverse", "keep_order", "time_major", "return_carry"])
+def test_call_options_must_be_bools(option):
+    x = inputs()
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got 'no'"):
+        SparseLSTM(I, H, density=0.5, rngs=nnx.Rngs(0), **{option: "no"})(x)
+    layer = SparseLSTM(I, H, density=0.5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got None"):
+        setattr(layer, option, None)
+        layer(x)
+
+
 def test_nnx_mask_errors():
     with pytest.raises(ValueError, match="shape"):
         SparseLSTM(I, H, mask=np.ones((H, H), bool), rngs=nnx.Rngs(0))

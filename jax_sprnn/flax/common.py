@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sprnn as sp
+from jax_sprnn.validation import check_flag
 from jax_sprnn.primitives import recurrence
 
 CELLS = ("lstm", "gru", "rnn")
@@ -271,7 +272,7 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
         lengths = lengths.reshape((batch,))
 
     w = sp.SparseWeights.from_dense(kernel_h.astype(dtype), mask.array)
-    kwargs = dict(seq_lengths=lengths, reverse=bool(reverse), implementation=implementation)
+    kwargs = dict(seq_lengths=lengths, reverse=reverse, implementation=implementation)
     if cell == "lstm":
         ys, carry = sp.lstm(xp, carry, w, **kwargs)
     elif cell == "gru":
@@ -291,8 +292,12 @@ CALL_OPTIONS = ("return_carry", "time_major", "reverse", "keep_order")
 
 
 def call_options(layer, **given) -> dict:
-    """A layer call's options: those given to the call, else the layer's attributes (as nn.RNN)."""
-    return {k: getattr(layer, k) if given.get(k) is None else given[k] for k in CALL_OPTIONS}
+    """A layer call's options: those given to the call, else the layer's attributes (as nn.RNN).
+
+    Each must be a bool: Flax's truthiness would run ``reverse="False"`` reversed.
+    """
+    return {k: check_flag(k, getattr(layer, k) if given.get(k) is None else given[k])
+            for k in CALL_OPTIONS}
 
 
 def run_module(layer, inputs, params, options: dict, initial_carry, seq_lengths):
