@@ -96,6 +96,12 @@ def test_call_options_must_be_bools(option):
     np.testing.assert_array_equal(as_bool, sparse.apply(sparse_vars, x))
 
 
+def test_residual_must_be_a_bool():
+    _, _, sparse, sparse_vars = flax_pair("rnn")
+    with pytest.raises(TypeError, match="residual must be a bool, got 'False'"):
+        sparse.clone(residual="False").apply(sparse_vars, inputs())
+
+
 @pytest.mark.parametrize("kind", sorted(CELLS))
 @pytest.mark.parametrize("time_major", [False, True])
 def test_zero_timesteps_like_flax_rnn(kind, time_major):

@@ -158,6 +158,14 @@ def test_call_options_must_be_bools(option):
         layer(x)
 
 
+def test_constructor_switches_must_be_bools():
+    # "False" used to be truthy: a residual identity or a recurrent bias added silently.
+    with pytest.raises(TypeError, match="residual must be a bool, got 'False'"):
+        SparseSimpleRNN(I, H, residual="False", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="recurrent_bias must be a bool, got 'False'"):
+        SparseGRU(I, H, recurrent_bias="False", rngs=nnx.Rngs(0))
+
+
 def test_nnx_mask_errors():
     with pytest.raises(ValueError, match="shape"):
         SparseLSTM(I, H, mask=np.ones((H, H), bool), rngs=nnx.Rngs(0))

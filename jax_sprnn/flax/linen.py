@@ -32,6 +32,7 @@ from flax.linen.linear import default_kernel_init
 
 from jax_sprnn.flax import common
 from jax_sprnn.flax.common import StaticMask
+from jax_sprnn.validation import check_flag
 
 Array = Any
 Initializer = Any
@@ -226,7 +227,7 @@ class SparseSimpleRNN(_SparseRNNBase):
         return self.activation
 
     def _kernel_and_mask(self, kernel_h, mask: StaticMask):
-        if not self.residual:
+        if not check_flag("residual", self.residual):
             return kernel_h, mask
         eye = np.eye(self.features, dtype=np.bool_)
         kept = jnp.where(mask.array, kernel_h, jnp.zeros((), kernel_h.dtype))

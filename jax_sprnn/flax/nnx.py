@@ -30,6 +30,7 @@ from flax.nnx.nn.recurrent import modified_orthogonal
 
 from jax_sprnn.flax import common
 from jax_sprnn.flax.common import StaticMask
+from jax_sprnn.validation import check_flag
 
 
 class _SparseRNNBase(nnx.Module):
@@ -148,7 +149,7 @@ class SparseGRU(_SparseRNNBase):
 
     def __init__(self, in_features: int, hidden_features: int, *, recurrent_bias: bool = False,
                  **kwargs):
-        self.recurrent_bias = recurrent_bias
+        self.recurrent_bias = check_flag("recurrent_bias", recurrent_bias)
         super().__init__(in_features, hidden_features, **kwargs)
 
     def _fused(self):
@@ -178,7 +179,7 @@ class SparseSimpleRNN(_SparseRNNBase):
                  residual: bool = False, **kwargs):
         common.check_cell("rnn", activation)
         self.activation = activation
-        self.residual = residual
+        self.residual = check_flag("residual", residual)
         super().__init__(in_features, hidden_features, **kwargs)
         self._residual_mask = (StaticMask(self.mask.array | np.eye(hidden_features, dtype=bool))
                                if residual else None)
