@@ -280,9 +280,19 @@ def test_public_mask_and_flip_helpers():
     assert mask.array.shape == (5, 20) and mask.nnz == 30
     assert random_mask(5, 4, 0.3, seed=2) == mask and random_mask(5, 4, 1e-9).nnz == 1
     assert random_mask(5, 4, 0.3, seed=2) is mask  # cached: a re-trace draws no new permutation
-    for bad in [(0, 4, 0.3), (2.5, 4, 0.3), (5, 5, 0.3), (5, 4, 1.5)]:
+    for bad in [(0, 4, 0.3), (2.5, 4, 0.3), (5, 5, 0.3), (5, 4, 1.5), (5, 4, float("nan")),
+                (5, 4, 0.3, -1)]:
         with pytest.raises(ValueError):
             random_mask(*bad)
+    # NumPy and JAX scalars are taken as the numbers they hold (a JAX one was "unhashable");
+    # text, bools and fractional seeds are refused, not compared or drawn from.
+    assert random_mask(np.int64(5), 4, np.float64(0.3), seed=jnp.int32(2)) is mask
+    assert random_mask(5, 4, jnp.float32(0.3), seed=2) == mask
+    for bad in [(5, 4, "0.3"), (5, 4, True), (5, 4, 0.3, 1.5), (5, 4, 0.3, True)]:
+        with pytest.raises(TypeError, match="density must be a number|mask_seed must be"):
+            random_mask(*bad)
+    layer = SparseLSTM(5, density=jnp.float32(0.3), mask_seed=np.int32(2))
+    assert layer.static_mask == mask
     x = jnp.arange(2 * 5 * 3, dtype=jnp.float32).reshape(2, 5, 3)
     lengths = jnp.array([5, 2])
     np.testing.assert_array_equal(flip_sequences(x, lengths, time_axis=1),

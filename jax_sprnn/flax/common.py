@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -105,14 +106,43 @@ def _check_hidden(hidden) -> None:
         raise ValueError(f"the hidden size must be a positive integer, got {hidden!r}")
 
 
-@functools.lru_cache(maxsize=64)
+def _as_density(density) -> float:
+    """A density as a Python float in [0, 1] (NumPy and JAX scalars too, not bools or text)."""
+    if isinstance(density, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"density must be a number in [0, 1], got {density!r}")
+    try:
+        value = float(density)
+    except (TypeError, ValueError):
+        raise TypeError(f"density must be a number in [0, 1], got {density!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"density must lie in [0, 1], got {density}")
+    return value
+
+
+def _as_seed(seed) -> int:
+    """A mask seed as a Python int >= 0 (NumPy and JAX integer scalars too)."""
+    if isinstance(seed, (bool, np.bool_)):
+        raise TypeError(f"mask_seed must be an integer >= 0, got {seed!r}")
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"mask_seed must be an integer >= 0, got {seed!r}") from None
+    if value < 0:
+        raise ValueError(f"mask_seed must be an integer >= 0, got {seed!r}")
+    return value
+
+
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
     """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel."""
     _check_hidden(hidden)
     if gates not in GATES.values():
         raise ValueError(f"gates must be 1 (rnn), 4 (lstm) or 3 (gru), got {gates!r}")
-    if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must lie in [0, 1], got {density}")
+    # Plain Python keys for the cache (a JAX scalar is unhashable, 4 and np.int64(4) differ).
+    return _cached_random_mask(int(hidden), int(gates), _as_density(density), _as_seed(seed))
+
+
+@functools.lru_cache(maxsize=64)  # a re-trace of a layer draws no new permutation
+def _cached_random_mask(hidden: int, gates: int, density: float, seed: int) -> StaticMask:
     size = hidden * gates * hidden
     keep = int(round(density * size))
     if density > 0:
