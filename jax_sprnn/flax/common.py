@@ -137,7 +137,7 @@ def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> Stati
     _check_hidden(hidden)
     if gates not in GATES.values():
         raise ValueError(f"gates must be 1 (rnn), 4 (lstm) or 3 (gru), got {gates!r}")
-    # Plain Python keys for the cache (a JAX scalar is unhashable, 4 and np.int64(4) differ).
+    # Plain Python keys for the cache: a JAX scalar is unhashable.
     return _cached_random_mask(int(hidden), int(gates), _as_density(density), _as_seed(seed))
 
 
