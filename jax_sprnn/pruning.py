@@ -97,6 +97,9 @@ def _previous_masks(previous, leaves) -> list:
         raise ValueError(f"previous masks have {len(prev)} leaves, the parameter tree "
                          f"{len(leaves)}")
     for (path, leaf), (prev_path, mask) in zip(leaves, prev):
+        if np.asarray(mask).dtype != np.bool_:  # as the layers' masks: 0.3 is not "kept"
+            raise TypeError(f"previous masks must be boolean, got dtype {np.asarray(mask).dtype} "
+                            f"at {'/'.join(path_names(prev_path))}")
         if path_names(path) != path_names(prev_path) or np.shape(mask) != np.shape(leaf):
             raise ValueError(
                 "previous masks do not match the parameter tree: "
@@ -130,8 +133,8 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
 
     Returns the mask tree (unselected leaves all True).
     """
-    if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must lie in [0, 1], got {density}")
+    if isinstance(density, (bool, np.bool_, str, bytes)) or not 0.0 <= float(density) <= 1.0:
+        raise ValueError(f"density must be a number in [0, 1], got {density!r}")
     if scope not in ("layer", "global"):
         raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -166,6 +166,12 @@ def test_previous_masks_must_match_the_tree():
         pruning.magnitude_masks(params, 0.5, previous=renamed)
     with pytest.raises(ValueError, match="leaves"):
         pruning.magnitude_masks(params, 0.5, previous={"cell": masks["cell"]["hi"]})
+    floats = jax.tree.map(lambda m: np.where(m, 1.0, 0.3), pruning.ones_like_masks(params))
+    with pytest.raises(TypeError, match="previous masks must be boolean, got dtype float64"):
+        pruning.magnitude_masks(params, 0.5, previous=floats)  # 0.3 used to count as kept
+    for density in ("0.5", True, float("nan")):
+        with pytest.raises(ValueError, match="density must be a number in"):
+            pruning.magnitude_masks(params, density)
     # An nnx State and its pure dict name the same paths: either may be the previous masks.
     model = nnx.RNN(nnx.OptimizedLSTMCell(5, H, rngs=nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
