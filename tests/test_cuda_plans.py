@@ -3,9 +3,14 @@ H200 (132 SMs, 227 KB of shared memory per block, sm_90): host code, so it runs 
 wherever the CUDA extension was built (CI builds it with nvcc).
 """
 
+import warnings
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jax_sprnn as sp
 from jax_sprnn import _ffi
 from oracle import GATES
 
@@ -257,3 +262,40 @@ def test_tensor_core_row_plans(monkeypatch):
     monkeypatch.setenv("SPRNN_CUDA_SYNC_CHECK", "1")
     monkeypatch.setenv("SPRNN_CUDA_MMA", "0")
     assert not mma()
+
+
+def _export_for_cuda():
+    """Lowers a small ReLU layer for CUDA (no GPU needed): runs the CUDA lowering's checks.
+
+    The layer fits any GPU: no performance warning (on a machine without a GPU the lowering
+    used to plan for "a GPU without cooperative launches" and warn of the per-step fallback).
+    """
+    from jax import export  # noqa: PLC0415
+
+    w = sp.SparseWeights.from_dense(np.eye(8, dtype=np.float16))
+    f = jax.jit(lambda xp, h0: sp.rnn(xp, h0, w, activation="relu"))
+    checks = [export.DisabledSafetyCheck.custom_call("sprnn_rnn_fwd")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cuda_lowering.SparseRNNPerformanceWarning)
+        return export.export(f, disabled_checks=checks, platforms=("cuda",))(
+            jnp.zeros((5, 4, 8), jnp.float16), jnp.zeros((4, 8), jnp.float16))
+
+
+@pytest.mark.parametrize("name,bad,good", [
+    ("SPRNN_CUDA_TIMEOUT_MS", "-1", "0"),  # negative: the handler's waits had no bound at all
+    ("SPRNN_CUDA_TIMEOUT_MS", "5s", " 2500"),  # text: the handler took 5000 without a word
+    ("SPRNN_CUDA_SYNC_CHECK", "off", "0"),
+    ("SPRNN_CUDA_MMA", "2", "-1"),
+    ("SPRNN_CUDA_BT", "3", "16"),  # a tile the planner has not: ignored before
+    ("SPRNN_CUDA_VARIANT", "6", "+3"),
+])
+def test_documented_knobs_are_checked_at_lowering(monkeypatch, name, bad, good):
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name}='{bad}': expected"):
+        _export_for_cuda()
+    monkeypatch.setenv(name, good)
+    assert "sprnn_rnn_fwd" in _export_for_cuda().mlir_module()
+
+
+def test_export_for_cuda_on_a_machine_without_a_gpu_warns_nothing():
+    _export_for_cuda()  # a performance warning is an error inside

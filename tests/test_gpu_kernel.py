@@ -603,3 +603,24 @@ def test_timeout_becomes_python_error(monkeypatch):
     monkeypatch.delenv("SPRNN_CUDA_TIMEOUT_MS")
     ys, _, _ = kernel_forward("rnn", p["xp"], p["carry"], w, None, variant=3)
     assert oracle.rel_error(ys, ref_ys) < oracle.RTOL["float16"]  # the GPU is still usable
+
+
+def test_negative_timeout_expires_at_once(monkeypatch):
+    # The lowering refuses SPRNN_CUDA_TIMEOUT_MS=-5, but one set after compiling reaches the
+    # handler, which reads it at each call: it must act as 0, not (compared as unsigned) as no
+    # bound at all, which it did before.
+    p, w = _problem(7, steps=128, hidden=2048)
+    run = jax.jit(lambda xp, h0: kernel_forward("rnn", xp, (h0,), w, None, variant=3)[0])
+    compiled = run.lower(jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0])).compile()
+    monkeypatch.setenv("SPRNN_CUDA_TIMEOUT_MS", "-5")
+    errors = []
+    for _ in range(3):  # a wait must spin to expire; at this size nearly every call has one
+        try:
+            np.asarray(compiled(jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0])))
+        except Exception as err:  # noqa: BLE001 - XlaRuntimeError's class moves between versions
+            errors.append(str(err))
+    assert errors and all("timed out" in e for e in errors), errors
+    monkeypatch.delenv("SPRNN_CUDA_TIMEOUT_MS")
+    ys = compiled(jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0]))
+    ref_ys, _ = oracle.run("rnn", p["xp"], p["carry"], p["kernel"])
+    assert oracle.rel_error(ys, ref_ys) < oracle.RTOL["float16"]  # the GPU is still usable

@@ -772,7 +772,10 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.H = static_cast<int>(H);
   p.activation = static_cast<int>(activation);
   p.reverse = reverse ? 1 : 0;
-  p.timeout_ns = env_int("SPRNN_CUDA_TIMEOUT_MS", 5000) * 1000000LL;
+  // Not below 0: the wait compares as unsigned, so a negative bound would be no bound. Not
+  // above an hour, so that the product cannot overflow into a negative one either.
+  p.timeout_ns =
+      std::clamp<long long>(env_int("SPRNN_CUDA_TIMEOUT_MS", 5000), 0, 3600000) * 1000000LL;
   p.spin_ns = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_SPIN_NS", 0), 0, 1000));
   // Gather only the h units a block's rows read (persistent_kernel.cuh); 0 = every unit.
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;

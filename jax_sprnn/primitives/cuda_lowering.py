@@ -86,7 +86,9 @@ and row offsets per block on chip, so the rest run from L2).
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import warnings
 
 import jax
@@ -135,6 +137,41 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
                                  cell == "rnn" and activation == "relu")
 
 
+# The knobs README documents, with the values the handler acts on. The handler reads them at
+# each call and takes its default for text it cannot parse (and ignores other tiles), so a
+# user's typo would be dropped without a word: the lowering refuses it instead.
+USER_KNOBS = {
+    "SPRNN_CUDA_TIMEOUT_MS": range(0, 3600001),  # the bound of every wait, 0 = expire at once
+    "SPRNN_CUDA_SYNC_CHECK": (0, 1),
+    "SPRNN_CUDA_MMA": (-1, 0, 1),  # -1: the planner's choice
+    "SPRNN_CUDA_BT": (0, 1, 2, 4, 8, 16, 32, 64),  # 0: the planner's choice
+    "SPRNN_CUDA_VARIANT": tuple(sorted(VARIANTS.values())),
+}
+
+
+def check_user_knobs() -> None:
+    """A clear error for a documented knob set to a value the handler would not act on."""
+    for name, allowed in USER_KNOBS.items():
+        text = os.environ.get(name, "")
+        if text == "":
+            continue
+        # What the handler's strtoll accepts: optional leading space and sign, then digits.
+        value = int(text) if re.fullmatch(r"\s*[+-]?\d+", text) else None
+        if value is None or value not in allowed:
+            expected = (f"an integer in [{allowed.start}, {allowed.stop - 1}]"
+                        if isinstance(allowed, range)
+                        else "one of " + ", ".join(map(str, allowed)))
+            raise ValueError(f"environment variable {name}={text!r}: expected {expected}")
+
+
+@functools.cache
+def _local_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend in this process
+        return False
+
+
 def _warn_once(key, message):
     if key in _warned:
         return
@@ -155,14 +192,17 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     hidden = gh // gates
     nnz = values_aval.shape[0]
     dtype_code = _DTYPE_CODES[np.dtype(xp_aval.dtype)]
+    check_user_knobs()
     variant = int(variant)
     if variant == -1:  # benchmarks select a variant for the public API through the environment
-        variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "-1"))
-    try:
-        info = plan(cell, xp_aval.dtype, hidden, batch, nnz, variant,
-                    activation="relu" if activation else "tanh")
-    except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
-        info = None
+        variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "").strip() or -1)
+    info = None
+    if _local_gpu():  # else an export for a GPU elsewhere: nothing here to plan for
+        try:
+            info = plan(cell, xp_aval.dtype, hidden, batch, nnz, variant,
+                        activation="relu" if activation else "tanh")
+        except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
+            info = None
     if info is not None and info["reason"] and variant != VARIANTS["step_loop"]:
         _warn_once((cell, str(xp_aval.dtype), hidden, batch, nnz, info["reason"]),
                    f"jax_sprnn CUDA {cell} (H={hidden}, B={batch}, nnz={nnz}, "
