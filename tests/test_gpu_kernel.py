@@ -590,7 +590,10 @@ def test_concurrent_kernel_on_another_stream():
 def test_timeout_becomes_python_error(monkeypatch):
     p, w = _problem(7, steps=128, hidden=2048)
     ref_ys, _ = oracle.run("rnn", p["xp"], p["carry"], p["kernel"])
-    monkeypatch.setenv("SPRNN_CUDA_TIMEOUT_MS", "0")  # every wait that spins expires at once
+    # A wait checks its bound every 32 or 64 polls, so even at 0 one expires only if it spins
+    # that long, which this layer's waits may not do (the stalled-barrier test below always
+    # times out).
+    monkeypatch.setenv("SPRNN_CUDA_TIMEOUT_MS", "0")
     raised = False
     try:
         ys, _, _ = kernel_forward("rnn", p["xp"], p["carry"], w, None, variant=3)
@@ -605,22 +608,20 @@ def test_timeout_becomes_python_error(monkeypatch):
     assert oracle.rel_error(ys, ref_ys) < oracle.RTOL["float16"]  # the GPU is still usable
 
 
-def test_negative_timeout_expires_at_once(monkeypatch):
-    # The lowering refuses SPRNN_CUDA_TIMEOUT_MS=-5, but one set after compiling reaches the
-    # handler, which reads it at each call: it must act as 0, not (compared as unsigned) as no
-    # bound at all, which it did before.
-    p, w = _problem(7, steps=128, hidden=2048)
-    run = jax.jit(lambda xp, h0: kernel_forward("rnn", xp, (h0,), w, None, variant=3)[0])
-    compiled = run.lower(jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0])).compile()
-    monkeypatch.setenv("SPRNN_CUDA_TIMEOUT_MS", "-5")
-    errors = []
-    for _ in range(3):  # a wait must spin to expire; at this size nearly every call has one
-        try:
-            np.asarray(compiled(jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0])))
-        except Exception as err:  # noqa: BLE001 - XlaRuntimeError's class moves between versions
-            errors.append(str(err))
-    assert errors and all("timed out" in e for e in errors), errors
+@pytest.mark.parametrize("timeout_ms", ["50", "-5"])
+def test_stalled_barrier_times_out_into_a_python_error(monkeypatch, timeout_ms):
+    # SPRNN_CUDA_TEST_STALL=1 keeps the grid barrier (variant 0) shut, so every wait must end
+    # by its bound. The lowering refuses a negative bound, but one set after compiling reaches
+    # the handler, which must take it as 0 (compared as unsigned it was no bound: a hang).
+    p, w = _problem(7, steps=8, hidden=512)
+    run = jax.jit(lambda xp, h0: kernel_forward("rnn", xp, (h0,), w, None, variant=0)[0])
+    args = (jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0]))
+    compiled = run.lower(*args).compile()
+    monkeypatch.setenv("SPRNN_CUDA_TEST_STALL", "1")
+    monkeypatch.setenv("SPRNN_CUDA_TIMEOUT_MS", timeout_ms)
+    with pytest.raises(Exception, match="timed out waiting for other blocks"):
+        np.asarray(compiled(*args))
+    monkeypatch.delenv("SPRNN_CUDA_TEST_STALL")
     monkeypatch.delenv("SPRNN_CUDA_TIMEOUT_MS")
-    ys = compiled(jnp.asarray(p["xp"]), jnp.asarray(p["carry"][0]))
     ref_ys, _ = oracle.run("rnn", p["xp"], p["carry"], p["kernel"])
-    assert oracle.rel_error(ys, ref_ys) < oracle.RTOL["float16"]  # the GPU is still usable
+    assert oracle.rel_error(compiled(*args), ref_ys) < oracle.RTOL["float16"]  # still usable

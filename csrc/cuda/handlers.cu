@@ -786,6 +786,15 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
     if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
       return cuda_error(target, "cudaMemsetAsync(workspace)", e);
+    // SPRNN_CUDA_TEST_STALL=1 (tests only): the grid barrier's counters start far behind every
+    // step's target, so each barrier wait spins until its bound runs out. A deterministic
+    // timeout, to test that it reaches the caller as an error (a normal wait rarely spins
+    // long enough to expire, even at SPRNN_CUDA_TIMEOUT_MS=0).
+    if (!pl.lamport && env_int("SPRNN_CUDA_TEST_STALL", 0) == 1) {
+      if (cudaError_t e = cudaMemsetAsync(p.counters, 0x80, counters_bytes(B), stream);
+          e != cudaSuccess)
+        return cuda_error(target, "cudaMemsetAsync(counters)", e);
+    }
 
     bool launched = false;
     // The cluster plan, re-planned for a smaller cluster (or the grid plan) when this kernel

@@ -72,6 +72,8 @@ no batch groups), ``SPRNN_CUDA_GROUPS`` (n forces n batch groups, 1 none),
 ``SPRNN_CUDA_MMA=0/1`` (tensor-core rows off / on wherever they fit, above),
 ``SPRNN_CUDA_COL_FILTER=0`` (tiles >= 16 gather every h unit, not only those their rows read),
 ``SPRNN_CUDA_SPIN_NS``, ``SPRNN_CUDA_TIMEOUT_MS``, ``SPRNN_CUDA_SYNC_CHECK``,
+``SPRNN_CUDA_TEST_STALL=1`` (tests: the grid barrier of variants 0-2 never opens, so its waits
+time out),
 ``SPRNN_CUDA_CLUSTER`` (largest cluster size for variant 5, default 16),
 ``SPRNN_CUDA_ROW_LANES`` (lanes per row; variants 0-4: 16 or 32 forces half or whole warps,
 variant 5: default from the row length), ``SPRNN_CUDA_DEEP_GATHER`` (0 / 1 forces the deep
