@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sprnn as sp
-from jax_sprnn.validation import check_flag
 from jax_sprnn.primitives import recurrence
+from jax_sprnn.validation import check_flag
 
 CELLS = ("lstm", "gru", "rnn")
 GATES = recurrence.GATES  # gate blocks per cell, from the primitive's table

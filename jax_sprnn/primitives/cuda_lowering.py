@@ -143,7 +143,7 @@ def plan(cell: str, dtype, hidden: int, batch: int, nnz: int, variant: int = -1,
 # each call and takes its default for text it cannot parse (and ignores other tiles), so a
 # user's typo would be dropped without a word: the lowering refuses it instead.
 USER_KNOBS = {
-    "SPRNN_CUDA_TIMEOUT_MS": range(0, 3600001),  # the bound of every wait, 0 = expire at once
+    "SPRNN_CUDA_TIMEOUT_MS": range(0, 3600001),  # the bound of every wait, in ms
     "SPRNN_CUDA_SYNC_CHECK": (0, 1),
     "SPRNN_CUDA_MMA": (-1, 0, 1),  # -1: the planner's choice
     "SPRNN_CUDA_BT": (0, 1, 2, 4, 8, 16, 32, 64),  # 0: the planner's choice
