@@ -133,7 +133,7 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
 
     Returns the mask tree (unselected leaves all True).
     """
-    if isinstance(density, (bool, np.bool_, str, bytes)) or not 0.0 <= float(density) <= 1.0:
+    if _is_text_or_bool(density) or not 0.0 <= float(density) <= 1.0:
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
     if scope not in ("layer", "global"):
         raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
@@ -223,6 +223,25 @@ def masked_updates(updates: PyTree, masks: PyTree) -> PyTree:
 
 
 # -- gradual pruning schedule ---------------------------------------------------------------------
+def _is_text_or_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_, str, bytes))
+
+
+def _check_schedule(final_sparsity, initial_sparsity, begin_step, end_step, power) -> None:
+    """Sparsities in [0, 1], integer steps in order, a positive power (0 would never prune)."""
+    for name, value in (("final_sparsity", final_sparsity),
+                        ("initial_sparsity", initial_sparsity)):
+        if _is_text_or_bool(value) or not 0.0 <= float(value) < 1.0 + 1e-12:
+            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    for name, value in (("begin_step", begin_step), ("end_step", end_step)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+    if end_step <= begin_step:
+        raise ValueError(f"end_step ({end_step}) must exceed begin_step ({begin_step})")
+    if _is_text_or_bool(power) or not float(power) > 0:
+        raise ValueError(f"power must be a positive number, got {power!r}")
+
+
 def polynomial_sparsity(step, *, final_sparsity: float, begin_step: int, end_step: int,
                         initial_sparsity: float = 0.0, power: int = 3):
     """Zhu & Gupta (2017) schedule: ``s_t = s_f + (s_i - s_f) (1 - (t - t_0) / (t_n - t_0))^3``.
@@ -230,8 +249,7 @@ def polynomial_sparsity(step, *, final_sparsity: float, begin_step: int, end_ste
     Before ``begin_step`` the sparsity is ``initial_sparsity``; from ``end_step`` on it is
     ``final_sparsity``. Works on Python numbers and JAX arrays.
     """
-    if end_step <= begin_step:
-        raise ValueError(f"end_step ({end_step}) must exceed begin_step ({begin_step})")
+    _check_schedule(final_sparsity, initial_sparsity, begin_step, end_step, power)
     frac = (step - begin_step) / float(end_step - begin_step)
     frac = jnp.clip(frac, 0.0, 1.0) if isinstance(step, jax.Array) else min(max(frac, 0.0), 1.0)
     return final_sparsity + (initial_sparsity - final_sparsity) * (1.0 - frac) ** power
@@ -250,17 +268,14 @@ class PolynomialSchedule:
     power: int = 3
 
     def __post_init__(self):
-        for name in ("final_sparsity", "initial_sparsity"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0 + 1e-12:
-                raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        _check_schedule(self.final_sparsity, self.initial_sparsity, self.begin_step,
+                        self.end_step, self.power)
         if self.initial_sparsity > self.final_sparsity:
             raise ValueError(f"initial_sparsity ({self.initial_sparsity}) must not exceed "
                              f"final_sparsity ({self.final_sparsity}): pruning never regrows")
-        if self.frequency < 1:
-            raise ValueError(f"frequency must be >= 1, got {self.frequency}")
-        if self.end_step <= self.begin_step:
-            raise ValueError("end_step must exceed begin_step")
+        if isinstance(self.frequency, (bool, np.bool_)) or \
+                not isinstance(self.frequency, (int, np.integer)) or self.frequency < 1:
+            raise ValueError(f"frequency must be an integer >= 1, got {self.frequency!r}")
 
     def __call__(self, step) -> float:
         return polynomial_sparsity(step, final_sparsity=self.final_sparsity,

@@ -77,8 +77,20 @@ def test_cubic_schedule():
     assert float(pruning.polynomial_sparsity(jnp.asarray(600), final_sparsity=0.9,
                                              begin_step=100, end_step=1100)) == \
         pytest.approx(sched(600))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must exceed begin_step"):
         pruning.PolynomialSchedule(final_sparsity=0.5, begin_step=10, end_step=10)
+    # Power 0 used to keep the initial sparsity for ever, -1 divided by zero at end_step, a
+    # frequency of 1.5 updated at steps 0, 3, 6, 9; the function took a sparsity of 1.5.
+    for bad, match in [(dict(power=0), "power must be a positive"),
+                       (dict(power=-1), "power must be a positive"),
+                       (dict(frequency=1.5), "frequency must be an integer"),
+                       (dict(final_sparsity="0.9"), "final_sparsity must be a number"),
+                       (dict(end_step=10.5), "end_step must be an integer")]:
+        args = {**dict(final_sparsity=0.9, begin_step=0, end_step=10), **bad}
+        with pytest.raises((ValueError, TypeError), match=match):
+            pruning.PolynomialSchedule(**args)
+    with pytest.raises(ValueError, match="final_sparsity must be a number in"):
+        pruning.polynomial_sparsity(5, final_sparsity=1.5, begin_step=0, end_step=10)
 
 
 def test_gradual_pruning_never_regrows_and_masks_stay_fixed_in_training():
