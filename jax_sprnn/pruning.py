@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sprnn.validation import as_int, is_real_number
+
 RECURRENT_DENSE_NAMES = frozenset({"hi", "hf", "hg", "ho", "hr", "hz", "hn", "h", "dense_h"})
 
 PyTree = Any
@@ -133,7 +135,7 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
 
     Returns the mask tree (unselected leaves all True).
     """
-    if _is_text_or_bool(density) or not 0.0 <= float(density) <= 1.0:
+    if not is_real_number(density) or not 0.0 <= float(density) <= 1.0:
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
     if scope not in ("layer", "global"):
         raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
@@ -223,22 +225,17 @@ def masked_updates(updates: PyTree, masks: PyTree) -> PyTree:
 
 
 # -- gradual pruning schedule ---------------------------------------------------------------------
-def _is_text_or_bool(value) -> bool:
-    return isinstance(value, (bool, np.bool_, str, bytes))
-
-
 def _check_schedule(final_sparsity, initial_sparsity, begin_step, end_step, power) -> None:
     """Sparsities in [0, 1], integer steps in order, a positive power (0 would never prune)."""
     for name, value in (("final_sparsity", final_sparsity),
                         ("initial_sparsity", initial_sparsity)):
-        if _is_text_or_bool(value) or not 0.0 <= float(value) < 1.0 + 1e-12:
+        if not is_real_number(value) or not 0.0 <= float(value) < 1.0 + 1e-12:
             raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    for name, value in (("begin_step", begin_step), ("end_step", end_step)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an integer, got {value!r}")
+    as_int("begin_step", begin_step)
+    as_int("end_step", end_step)
     if end_step <= begin_step:
         raise ValueError(f"end_step ({end_step}) must exceed begin_step ({begin_step})")
-    if _is_text_or_bool(power) or not float(power) > 0:
+    if not is_real_number(power) or not float(power) > 0:
         raise ValueError(f"power must be a positive number, got {power!r}")
 
 
@@ -273,9 +270,7 @@ class PolynomialSchedule:
         if self.initial_sparsity > self.final_sparsity:
             raise ValueError(f"initial_sparsity ({self.initial_sparsity}) must not exceed "
                              f"final_sparsity ({self.final_sparsity}): pruning never regrows")
-        if isinstance(self.frequency, (bool, np.bool_)) or \
-                not isinstance(self.frequency, (int, np.integer)) or self.frequency < 1:
-            raise ValueError(f"frequency must be an integer >= 1, got {self.frequency!r}")
+        as_int("frequency", self.frequency, minimum=1)
 
     def __call__(self, step) -> float:
         return polynomial_sparsity(step, final_sparsity=self.final_sparsity,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +68,32 @@ def check_call(cell: str, xp, carry: tuple, w, b_hn=None, seq_lengths=None):
         check_shape("b_hn", b_hn, (hidden,))
         check_dtype("b_hn", b_hn, dtype)
     return check_lengths(seq_lengths, steps, batch)
+
+
+def is_real_number(value) -> bool:
+    """A Python, NumPy or JAX real scalar; not text or a bool (``float`` takes both)."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def as_int(name: str, value, minimum: int | None = None) -> int:
+    """A Python, NumPy or JAX integer scalar as an int (not a bool): TypeError for other kinds,
+    ValueError below ``minimum``."""
+    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {value!r}") from None
+    if minimum is not None and result < minimum:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return result
 
 
 def check_flag(name: str, value) -> bool:

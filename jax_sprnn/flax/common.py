@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import operator
 from typing import NamedTuple
 
 import jax
@@ -19,7 +18,7 @@ import numpy as np
 
 import jax_sprnn as sp
 from jax_sprnn.primitives import recurrence
-from jax_sprnn.validation import check_flag
+from jax_sprnn.validation import as_int, check_flag, is_real_number
 
 CELLS = ("lstm", "gru", "rnn")
 GATES = recurrence.GATES  # gate blocks per cell, from the primitive's table
@@ -108,28 +107,11 @@ def _check_hidden(hidden) -> None:
 
 def _as_density(density) -> float:
     """A density as a Python float in [0, 1] (NumPy and JAX scalars too, not bools or text)."""
-    if isinstance(density, (bool, np.bool_, str, bytes)):
+    if not is_real_number(density):
         raise TypeError(f"density must be a number in [0, 1], got {density!r}")
-    try:
-        value = float(density)
-    except (TypeError, ValueError):
-        raise TypeError(f"density must be a number in [0, 1], got {density!r}") from None
-    if not 0.0 <= value <= 1.0:
+    if not 0.0 <= float(density) <= 1.0:
         raise ValueError(f"density must lie in [0, 1], got {density}")
-    return value
-
-
-def _as_seed(seed) -> int:
-    """A mask seed as a Python int >= 0 (NumPy and JAX integer scalars too)."""
-    if isinstance(seed, (bool, np.bool_)):
-        raise TypeError(f"mask_seed must be an integer >= 0, got {seed!r}")
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise TypeError(f"mask_seed must be an integer >= 0, got {seed!r}") from None
-    if value < 0:
-        raise ValueError(f"mask_seed must be an integer >= 0, got {seed!r}")
-    return value
+    return float(density)
 
 
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
@@ -138,7 +120,8 @@ def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> Stati
     if gates not in GATES.values():
         raise ValueError(f"gates must be 1 (rnn), 4 (lstm) or 3 (gru), got {gates!r}")
     # Plain Python keys for the cache: a JAX scalar is unhashable.
-    return _cached_random_mask(int(hidden), int(gates), _as_density(density), _as_seed(seed))
+    return _cached_random_mask(int(hidden), int(gates), _as_density(density),
+                               as_int("mask_seed", seed, minimum=0))
 
 
 @functools.lru_cache(maxsize=64)  # a re-trace of a layer draws no new permutation

@@ -182,7 +182,7 @@ class SparseSimpleRNN(_SparseRNNBase):
         self.residual = check_flag("residual", residual)
         super().__init__(in_features, hidden_features, **kwargs)
         self._residual_mask = (StaticMask(self.mask.array | np.eye(hidden_features, dtype=bool))
-                               if residual else None)
+                               if self.residual else None)
 
     def _activation(self) -> str:
         return self.activation
