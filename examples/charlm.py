@@ -180,6 +180,17 @@ def save_checkpoint(workdir, density: float, params, masks) -> Path:
     return path
 
 
+def listed_checkpoint(workdir, entry) -> Path:
+    """The checkpoint a ``train_summary.json`` entry names. Its path is relative to the workdir
+    (absolute in summaries written before 2026-12-01), so a workdir can be moved or copied to
+    another machine, e.g. trained on a CPU and evaluated on a GPU."""
+    path = Path(workdir) / entry["path"]
+    if not path.exists():
+        raise SystemExit(f"checkpoint {path} (density {entry['density']:.0%}, listed in "
+                         f"{Path(workdir) / 'train_summary.json'}) is missing: train again")
+    return path
+
+
 def load_checkpoint(path):
     """Returns ``(params, masks)`` (masks as NumPy bool arrays)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415

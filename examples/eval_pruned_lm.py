@@ -93,10 +93,11 @@ def run(cfg: charlm.Config, workdir: str, quiet: bool = False) -> list[dict]:
                          "config, or train this one in another --workdir")
     if not summary.get("checkpoints"):
         raise SystemExit(f"{summary_path} lists no checkpoints: train again")
+    paths = [charlm.listed_checkpoint(workdir, entry) for entry in summary["checkpoints"]]
     _, val = charlm.load_corpus(cfg.train_chars, cfg.val_chars)
     rows = []
-    for entry in summary["checkpoints"]:
-        params, mask_tree = charlm.load_checkpoint(entry["path"])
+    for entry, path in zip(summary["checkpoints"], paths):
+        params, mask_tree = charlm.load_checkpoint(path)
         masks = charlm.layer_masks(cfg, mask_tree)
         dense = charlm.make_model(cfg)
         sparse = charlm.make_model(cfg, masks)

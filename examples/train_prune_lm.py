@@ -113,7 +113,8 @@ def _save(workdir, density, params, masks, train_bpc):
     report = pruning.density_report(masks)
     actual = float(np.mean(list(report.values())))
     path = charlm.save_checkpoint(workdir, density, params, masks)
-    return {"density": density, "recurrent_density": round(actual, 4), "path": str(path),
+    relative = path.relative_to(Path(workdir).resolve())  # the workdir may move
+    return {"density": density, "recurrent_density": round(actual, 4), "path": str(relative),
             "train_bpc": None if train_bpc is None else round(float(train_bpc), 4)}
 
 

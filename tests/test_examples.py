@@ -16,14 +16,21 @@ sys.path.insert(0, str(EXAMPLES))
 import charlm  # noqa: E402
 import pruned_lm  # noqa: E402
 import quickstart  # noqa: E402
+import train_prune_lm  # noqa: E402
 
 from jax_sprnn import pruning  # noqa: E402
 from jax_sprnn.flax.nnx import SparseLSTM  # noqa: E402
 
 
 def test_tiny_pipeline_end_to_end(tmp_path):
-    rows = pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--quiet"])
     cfg = charlm.CONFIGS["tiny"]
+    trained = tmp_path / "trained"
+    train_prune_lm.run(cfg, str(trained), quiet=True)
+    # Evaluation finds the checkpoints after the workdir moved (e.g. trained on a CPU, copied
+    # to a GPU machine): the summary lists them relative to it.
+    moved = trained.rename(tmp_path / "moved")
+    rows = pruned_lm.main(["--config", "tiny", "--workdir", str(moved), "--quiet",
+                           "--skip-training"])
     assert [r["density"] for r in rows] == list(cfg.densities)
     for r in rows:
         assert r["agree"], r
@@ -32,14 +39,14 @@ def test_tiny_pipeline_end_to_end(tmp_path):
         assert r["sparse_us_per_step"] > 0
     nnz = [r["recurrent_nnz"] for r in rows]
     assert nnz[0] == 4 * cfg.hidden ** 2 * cfg.layers and nnz == sorted(nnz, reverse=True)
-    assert (tmp_path / "pruned_lm.png").stat().st_size > 10_000
-    table = (tmp_path / "results.md").read_text()
+    assert (moved / "pruned_lm.png").stat().st_size > 10_000
+    table = (moved / "results.md").read_text()
     assert "bpc (jax_sprnn sparse)" in table and table.count("\n| ") == 1 + len(rows)
-    saved = json.loads((tmp_path / "results.json").read_text())
+    saved = json.loads((moved / "results.json").read_text())
     assert saved["rows"] == rows
     # Checkpoints hold exactly the saved pattern.
-    for entry in json.loads((tmp_path / "train_summary.json").read_text())["checkpoints"]:
-        params, masks = charlm.load_checkpoint(entry["path"])
+    for entry in json.loads((moved / "train_summary.json").read_text())["checkpoints"]:
+        params, masks = charlm.load_checkpoint(charlm.listed_checkpoint(moved, entry))
         assert pruning.density_report(masks) == pytest.approx(pruning.density_report(params))
         for m in charlm.layer_masks(cfg, masks):
             assert m.density == pytest.approx(entry["density"], abs=0.01)
@@ -66,6 +73,10 @@ def test_evaluation_of_another_config_or_no_checkpoints_says_why(tmp_path):
         pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
     charlm.write_json(tmp_path / "train_summary.json", {"config": "tiny", "checkpoints": []})
     with pytest.raises(SystemExit, match="lists no checkpoints"):
+        pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
+    listed = {"density": 0.3, "path": "checkpoints/density_0.300"}
+    charlm.write_json(tmp_path / "train_summary.json", {"config": "tiny", "checkpoints": [listed]})
+    with pytest.raises(SystemExit, match="density_0.300 .density 30%.*is missing"):
         pruned_lm.main(["--config", "tiny", "--workdir", str(tmp_path), "--skip-training"])
 
 
