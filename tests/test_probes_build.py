@@ -34,6 +34,7 @@ PROBES = {
     "cluster_reg_probe": ("cluster_reg_probe", []),
     "mma_clock_probe": ("mma_clock_probe", []),
     "diag_mma_probe": ("diag_mma_probe", []),
+    "func_attr_probe": ("func_attr_probe", []),
 }
 
 

@@ -512,22 +512,25 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
   return make_grid_plan(gates, dtype, H, B, nnz, variant, dev, relu, allow_mma);
 }
 
-// Raises a kernel's dynamic shared-memory limit once (per device is not needed: the attribute is
-// per function and the largest request wins).
+// Raises a kernel's dynamic shared-memory limit, once per device and kernel (the largest
+// request wins). Per device: the attribute belongs to the kernel as loaded on the current
+// device, so a limit raised on one GPU does not hold on another.
 std::mutex g_attr_mu;
-cudaError_t ensure_smem(KernelFn fn, long long smem) {
-  static std::pair<KernelFn, long long> set[256];
+cudaError_t ensure_smem(int dev, KernelFn fn, long long smem) {
+  struct Entry { int dev; KernelFn fn; long long smem; };
+  static Entry set[256];
   static int nset = 0;
   std::lock_guard<std::mutex> lock(g_attr_mu);
+  Entry* known = nullptr;
   for (int i = 0; i < nset; ++i)
-    if (set[i].first == fn && set[i].second >= smem) return cudaSuccess;
+    if (set[i].dev == dev && set[i].fn == fn) known = &set[i];
+  if (known && known->smem >= smem) return cudaSuccess;
   cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  for (int i = 0; i < nset; ++i)
-    if (set[i].first == fn) { set[i].second = smem; return cudaSuccess; }
-  if (nset < 256) set[nset++] = {fn, smem};
+  if (known) known->smem = smem;
+  else if (nset < 256) set[nset++] = {dev, fn, smem};
   return cudaSuccess;
 }
 
@@ -580,6 +583,7 @@ KernelFn pick_cluster(Cell cell, int dtype, int bt) {
 // is) and at least one cluster fits on the GPU. Cached per configuration: the queries cost
 // microseconds. Query failures count as "cannot run" (the caller falls back).
 struct ClusterFit {
+  int dev = 0;
   KernelFn fn = nullptr;
   int threads = 0, cluster = 0;
   long long smem = 0;
@@ -587,17 +591,18 @@ struct ClusterFit {
   bool ok = false;
 };
 std::mutex g_cluster_mu;
-ClusterFit cluster_fit(KernelFn fn, const cudaLaunchConfig_t& cfg, int cluster) {
+ClusterFit cluster_fit(int dev, KernelFn fn, const cudaLaunchConfig_t& cfg, int cluster) {
   static ClusterFit cache[64];
   static int ncache = 0;
   std::lock_guard<std::mutex> lock(g_cluster_mu);
   for (int i = 0; i < ncache; ++i) {
     const ClusterFit& c = cache[i];
-    if (c.fn == fn && c.threads == static_cast<int>(cfg.blockDim.x) && c.cluster == cluster &&
-        c.smem == static_cast<long long>(cfg.dynamicSmemBytes))
+    if (c.dev == dev && c.fn == fn && c.threads == static_cast<int>(cfg.blockDim.x) &&
+        c.cluster == cluster && c.smem == static_cast<long long>(cfg.dynamicSmemBytes))
       return c;
   }
   ClusterFit r;
+  r.dev = dev;  // the attribute set below, like the smem limit, holds per device
   r.fn = fn;
   r.threads = static_cast<int>(cfg.blockDim.x);
   r.cluster = cluster;
@@ -637,13 +642,13 @@ Params with_plan(Params p, const Plan& pl) {
 
 // Launches the plan's cluster kernel. launched = false (with cudaSuccess) when this
 // configuration cannot run here; max_ok is then the largest cluster size worth re-planning for.
-cudaError_t launch_cluster(Cell cell, int dtype, const Plan& pl, const Params& p,
+cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const Params& p,
                            cudaStream_t stream, bool& launched, int& max_ok) {
   launched = false;
   max_ok = 0;
   KernelFn fn = pick_cluster(cell, dtype, pl.bt);
   if (fn == nullptr) return cudaSuccess;
-  if (cudaError_t e = ensure_smem(fn, pl.smem); e != cudaSuccess) return e;
+  if (cudaError_t e = ensure_smem(dev, fn, pl.smem); e != cudaSuccess) return e;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(pl.cluster);
@@ -656,7 +661,7 @@ cudaError_t launch_cluster(Cell cell, int dtype, const Plan& pl, const Params& p
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  const ClusterFit fit = cluster_fit(fn, cfg, pl.cluster);
+  const ClusterFit fit = cluster_fit(dev, fn, cfg, pl.cluster);
   max_ok = fit.max_ok;
   if (!fit.ok) return cudaSuccess;
   if (cudaError_t e = cudaLaunchKernelEx(&cfg, fn, with_plan(p, pl)); e != cudaSuccess) return e;
@@ -699,6 +704,8 @@ bool has_shape(const ffi::AnyBuffer& b, const ffi::AnyBuffer& like,
 
 // Calls rerun on the sparse rows after the tensor-core rows stopped (forward; the tests read it).
 std::atomic<long long> g_mma_reruns{0};
+// Calls planned on the persistent kernel that ran the per-step fallback (the tests read it).
+std::atomic<long long> g_step_fallbacks{0};
 
 ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
@@ -801,7 +808,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     // cannot launch the planned one here.
     for (int attempt = 0; pl.persistent && pl.cluster > 0 && !launched && attempt < 3; ++attempt) {
       int max_ok = 0;
-      if (cudaError_t e = launch_cluster(cell, dtype, pl, p, stream, launched, max_ok);
+      if (cudaError_t e = launch_cluster(dev, cell, dtype, pl, p, stream, launched, max_ok);
           e != cudaSuccess)
         return cuda_error(target, "cluster launch of the persistent kernel", e);
       if (!launched) {
@@ -813,7 +820,7 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
     if (!launched && pl.persistent && pl.cluster == 0) {
       KernelFn fn = pick_persistent(cell, dtype, pl, p.activation != 0);
       int occ = 0;
-      cudaError_t e = fn ? ensure_smem(fn, pl.smem) : cudaErrorInvalidDeviceFunction;
+      cudaError_t e = fn ? ensure_smem(dev, fn, pl.smem) : cudaErrorInvalidDeviceFunction;
       if (e == cudaSuccess) e = blocks_per_sm(dev, fn, pl.threads, pl.smem, occ);
       if (e == cudaSuccess && occ >= 1) {
         p = with_plan(p, pl);
@@ -828,6 +835,18 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
         }
       }
       if (!launched) cudaGetLastError();  // clear a recoverable launch error; fall back below
+    }
+    if (!launched && pl.persistent) {
+      // Planned persistent, but the GPU would not take the launch (occupancy, a cooperative
+      // launch too large, e.g. SMs shared with other work): correct but slower, so say so.
+      g_step_fallbacks.fetch_add(1);
+      static std::once_flag warned;
+      std::call_once(warned, [] {
+        std::fprintf(stderr,
+                     "jax_sprnn: the persistent kernel could not launch on this GPU as planned "
+                     "(its blocks would not all be resident); running the per-step fallback "
+                     "kernel (correct, slower). Later such calls do so silently.\n");
+      });
     }
     if (!launched) {
       float* hbuf = reinterpret_cast<float*>(p.xbuf);
@@ -1048,6 +1067,9 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("mma_reruns", []() { return sprnn::cuda::g_mma_reruns.load(); },
         "Calls so far that ran again on the sparse rows after the tensor-core rows stopped "
         "(a hidden state that became inf or NaN, or a block with more rows than their build).");
+  m.def("step_fallbacks", []() { return sprnn::cuda::g_step_fallbacks.load(); },
+        "Calls so far that were planned on the persistent kernel but ran the per-step fallback "
+        "because the GPU would not take the launch (warned once on stderr).");
   m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
         py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
         py::arg("smem_optin") = 0, py::arg("cc_major") = 0, py::arg("max_cluster") = 0,
