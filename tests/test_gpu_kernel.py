@@ -89,6 +89,7 @@ def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None, b
     kw = {} if bank_period is None else dict(bank_period=bank_period)
     w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"], **kw)
     act = reference.ACTIVATIONS[activation]
+    fallbacks = _ffi.cuda_module.step_fallbacks()
     ys, final, cs = kernel_forward(cell, p["xp"], p["carry"], w, lengths, p["b_hn"], reverse,
                                    act, variant)
     ref_ys, ref_final = oracle.run(cell, p["xp"], p["carry"], p["kernel"], lengths, p["b_hn"],
@@ -96,6 +97,8 @@ def check(cell, dtype, shape, variant, n, activation="tanh", bank_period=None, b
     tol = oracle.RTOL[dtype]
     what = f"{cell} {dtype} variant={variant} shape={shape} lengths={lengths} reverse={reverse}"
     assert ys.dtype == jnp.dtype(dtype) and ys.shape == ref_ys.shape, what
+    # A persistent plan that the GPU would not launch runs per step (correct, much slower).
+    assert _ffi.cuda_module.step_fallbacks() == fallbacks, f"ran per step: {what}"
     err = oracle.rel_error(ys, ref_ys)
     assert err < tol, f"ys rel error {err:.3g} >= {tol} for {what}"
     for got, want in zip(final, ref_final):
