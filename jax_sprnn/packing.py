@@ -133,7 +133,9 @@ def check_packed_arrays(col_idx, row_ptr, hidden: int, gates: int, nnz: int):
     before a kernel."""
     for name, array in (("col_idx", col_idx), ("row_ptr", row_ptr)):
         if not np.issubdtype(np.dtype(array.dtype), np.integer):
-            raise TypeError(f"{name} must be an integer array, got dtype {array.dtype}")
+            raise TypeError(f"{name} must be an integer array, got dtype {array.dtype}: a "
+                            "jax.tree.map over the weights (e.g. a cast of a whole parameter "
+                            "tree) reaches their sparsity pattern too; cast with w.astype(dtype)")
     if tuple(row_ptr.shape) != (gates * hidden + 1,):
         raise ValueError(f"row_ptr must have shape ({gates * hidden + 1},), "
                          f"got {tuple(row_ptr.shape)}")

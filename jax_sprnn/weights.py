@@ -115,6 +115,15 @@ class SparseWeights:
         return (f"SparseWeights(hidden_size={self.hidden_size}, gates={self.gates}, "
                 f"nnz={self.nnz}, density={self.density:.4f}, dtype={self.dtype})")
 
+    def astype(self, dtype) -> "SparseWeights":
+        """The same pattern with ``values`` cast to ``dtype`` (a ``jax.tree.map`` cast would
+        cast the integer pattern too)."""
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"weights must be floating point, got dtype {jnp.dtype(dtype)}")
+        return SparseWeights(jnp.asarray(self.values).astype(dtype), self.col_idx, self.row_ptr,
+                             hidden_size=self.hidden_size, gates=self.gates,
+                             bank_period=self.bank_period, layout_version=self.layout_version)
+
     def to_dense(self) -> jax.Array:
         """The dense ``(H, G*H)`` kernel (zeros where pruned)."""
         hidden, gates = self.hidden_size, self.gates

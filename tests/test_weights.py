@@ -113,6 +113,25 @@ def test_pytree_and_traced_kernel():
     np.testing.assert_allclose(grad, 2 * kernel * mask)
 
 
+def test_astype_casts_only_the_values():
+    rng = np.random.default_rng(3)
+    kernel = (rng.standard_normal((12, 48)) * (rng.random((12, 48)) < 0.4)).astype(np.float32)
+    w = sp.SparseWeights.from_dense(kernel)
+    half = w.astype(jnp.bfloat16)
+    assert half.values.dtype == jnp.bfloat16 and half.col_idx.dtype == w.col_idx.dtype
+    np.testing.assert_array_equal(half.to_dense(), jnp.asarray(kernel, jnp.bfloat16))
+    xp = jnp.asarray(rng.standard_normal((5, 2, 48)), jnp.bfloat16)
+    carry = (jnp.zeros((2, 12), jnp.bfloat16),) * 2
+    ys, _ = sp.lstm(xp, carry, half)
+    want, _ = sp.lstm(xp, carry, sp.SparseWeights.from_dense(jnp.asarray(kernel, jnp.bfloat16)))
+    np.testing.assert_array_equal(ys, want)
+    # A cast of the whole tree casts the pattern too: the error says how to cast instead.
+    with pytest.raises(TypeError, match=r"cast with w.astype\(dtype\)"):
+        sp.lstm(xp, carry, jax.tree.map(lambda a: a.astype(jnp.bfloat16), w))
+    with pytest.raises(TypeError, match="floating point"):
+        w.astype(jnp.int32)
+
+
 def test_pytree_paths_name_the_leaves(tmp_path):
     w = sp.SparseWeights.from_dense(np.eye(6, 18, dtype=np.float32) + 0.5 * np.eye(6, 18, 3))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(w)[0]]
