@@ -11,6 +11,12 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
+# JAX >= 0.10 needs Python >= 3.11; pip alone would only say "no matching distribution".
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "jax_sprnn needs Python >= 3.11 (as JAX does); $venv has $("$py" --version 2>&1)." >&2
+  echo "Remove it and run again with a newer python3 first on PATH (or set SPRNN_VENV)." >&2
+  exit 1
+fi
 echo "==> installing build tools and runtime dependencies (pip)"
 "$py" -m pip install -q --upgrade pip
 "$py" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja "jax>=0.10"
