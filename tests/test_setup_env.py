@@ -11,7 +11,9 @@ def test_too_old_python_is_a_clear_error(tmp_path):
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     # A stand-in for Python 3.10: reports its version, fails the version check.
-    python.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Python 3.10.12" && exit 0\nexit 1\n')
+    python.write_text('#!/bin/sh\n'
+                      '[ "$1" = --version ] && echo "Python 3.10.12" && exit 0\n'
+                      'exit 1\n')
     python.chmod(0o755)
     env = dict(os.environ, SPRNN_VENV=str(tmp_path / "venv"))
     done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_env.sh")], env=env,
