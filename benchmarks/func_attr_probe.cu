@@ -2,8 +2,7 @@
 // the process, or only on the device current when it was set? The handler's ensure_smem keys
 // its cache by device on this answer (benchmarks/NOTES.md, session 80). Needs two GPUs.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/func_attr_probe.cu -o /tmp/func_attr_probe
-//   /tmp/func_attr_probe
+//   benchmarks/gpu_check.sh func-attr     (on a machine with two GPUs, e.g. nvidia-h200-x2)
 #include <cstdio>
 
 #include "cuda_check.h"

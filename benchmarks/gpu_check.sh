@@ -5,7 +5,7 @@
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
-#                            trace|all]
+#                            func-attr|multi-gpu|trace|all]
 #                                                                       (default all)
 # build: the package only (then run what you need, e.g. pytest on chosen test files).
 # all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
@@ -32,6 +32,10 @@
 # diag-mma: benchmarks/diag_mma_probe.cu (the rows phase alone: CUDA-core rows against sparse rows
 #   as a diagonal mma on the tensor cores, session 69; the cost of a block's last, partial pass
 #   over its rows and of warps that start the rows together, session 71).
+# func-attr: benchmarks/func_attr_probe.cu (whether a kernel's raised shared-memory limit holds on
+#   a second GPU; needs two).
+# multi-gpu: tests/test_multi_gpu.py after the build (each GPU runs the persistent kernel; a
+#   batch sharded over all of them); needs two or more GPUs, e.g. the kind nvidia-h200-x2.
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
 #   for the configurations in CLUSTER_REG_CONFIGS (H:density:T:csize:lanes:mode:order).
 # cluster: the sm_90 cluster variant's tests (variant 5, plans, default-path smoke), then
@@ -41,7 +45,7 @@ MODE="${1:-all}"
 # A mistyped mode would otherwise build and stop without a word.
 case "$MODE" in
   build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|probe-profile|exchange|\
-  l1-gather|cluster-reg|mma-clock|diag-mma|trace|all) ;;
+  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|multi-gpu|trace|all) ;;
   *) echo "unknown mode '$MODE'; see the usage at the top of $0" >&2; exit 2 ;;
 esac
 OUT="${OUT:-benchmarks/results/run}"
@@ -100,8 +104,9 @@ if [ "$MODE" = l1-gather ]; then  # benchmarks/l1_gather_probe.cu: weak loads af
   done
   exit 0
 fi
-if [ "$MODE" = mma-clock ] || [ "$MODE" = diag-mma ]; then  # probes without arguments
-  probe="${MODE//-/_}"  # benchmarks/mma_clock_probe.cu, benchmarks/diag_mma_probe.cu
+if [ "$MODE" = mma-clock ] || [ "$MODE" = diag-mma ] || [ "$MODE" = func-attr ]; then
+  # probes without arguments: benchmarks/mma_clock_probe.cu, diag_mma_probe.cu, func_attr_probe.cu
+  probe="${MODE//-/_}"
   "${PROBE_NVCC[@]}" "benchmarks/${probe}_probe.cu" -o "/tmp/${probe}_probe" || exit 1
   timeout 120 "/tmp/${probe}_probe" 2>&1 | tee -a "$OUT/$probe.txt"
   exit 0
@@ -173,6 +178,14 @@ if [ "$MODE" = verify ]; then
     run_bench bench_gpu.py "${BENCH_TIMEOUT:-200}" bench.log 30 ${BENCH_ARGS:---targets}
     cat "$OUT/summary_tests.txt"
   fi
+  exit $tests_rc
+fi
+if [ "$MODE" = multi-gpu ]; then  # every GPU of the machine in one process (needs two or more)
+  REPO="$(pwd)"
+  (cd /tmp && timeout "${TEST_TIMEOUT:-400}" $PY -m pytest -q -p no:cacheprovider -p no:benchmark \
+     -rs "$REPO/tests/test_multi_gpu.py" > "$OUT/test_multi_gpu.log" 2>&1)
+  tests_rc=$?
+  tail -n 20 "$OUT/test_multi_gpu.log"
   exit $tests_rc
 fi
 if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
