@@ -1,5 +1,7 @@
 """jit and vmap: traced lengths, folded batch axes, per-instance weight gradients, ensembles."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,43 @@ def test_jax_export_with_symbolic_steps_and_batch():
                       (jax.ShapeDtypeStruct((batch, hidden), jnp.float32),) * 2)
         with pytest.raises(ValueError, match="concrete batch size"):
             export.export(f, disabled_checks=checks, platforms=("cuda",))(*batch_args)
+
+
+def test_platforms_without_a_kernel_run_the_pure_jax_fallback(monkeypatch):
+    # ROCm, TPU, ...: lowered for them here and run on this CPU (the platform check off), the
+    # program holds no custom call and agrees with the oracle, forward and gradients.
+    from jax import export
+
+    from jax_sprnn.primitives import lowering
+
+    monkeypatch.setattr(lowering, "_warned_platforms", set())
+    checks = [export.DisabledSafetyCheck.platform()]
+    for n, (cell, platform) in enumerate([("rnn", "tpu"), ("lstm", "rocm"), ("gru", "tpu")]):
+        _, p, w = _setup(cell, seed=n)
+        lengths = np.array([6, 0, 3], np.int32)
+
+        def f(xp, carry, w, b_hn):
+            return oracle.run_api(cell, xp, carry, w, b_hn, lengths, reverse=True)
+
+        def loss(xp, carry, w, b_hn):
+            return jnp.sum(jnp.sin(f(xp, carry, w, b_hn)[0]))
+
+        args = (p["xp"], p["carry"], w, p["b_hn"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exported = export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(
+                *args)
+            grad = export.export(jax.jit(jax.grad(loss)), platforms=[platform],
+                                 disabled_checks=checks)(*args)
+        said = [str(c.message) for c in caught if f"no kernel for {platform}" in str(c.message)]
+        assert len(said) == (n < 2)  # once per platform
+        assert "custom_call" not in exported.mlir_module()
+        ys, final = exported.call(*args)
+        ref_ys, ref_final = oracle.run(cell, p["xp"], p["carry"], p["kernel"], lengths,
+                                       p["b_hn"], reverse=True)
+        assert oracle.rel_error(ys, ref_ys) < 2e-5
+        assert oracle.rel_error(final[-1], ref_final[-1]) < 2e-5
+        assert oracle.rel_error(grad.call(*args), jax.grad(loss)(*args)) < 1e-5
 
 
 @pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])

@@ -2,7 +2,8 @@
 
 forward_p/backward_p with ``local=False`` lower through ``sharding.partitioned`` (so a batch
 sharded over a mesh runs shard by shard); the per-shard call binds ``local=True``, which lowers
-to the C++ handler on CPU, the CUDA kernel on GPU, or the pure-JAX fallback.
+to the C++ handler on CPU, the CUDA kernel on GPU, or the pure-JAX fallback (on every other
+platform: ROCm, TPU, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def _backward_cpu(ctx, *operands, cell, reverse, activation, groups):
         ctx, *operands, **_attributes(cell, reverse, activation, groups=groups))
 
 
+def _pure_jax(function, ctx, *operands, **params):
+    """Lowers ``function`` (jax_fallback.forward or .backward) in place of a handler."""
+    return mlir.lower_fun(functools.partial(function, **params), multiple_results=True)(
+        ctx, *operands)
+
+
 _warned_no_cuda: list = []
 
 
@@ -48,13 +55,22 @@ def _forward_cuda(ctx, *operands, cell, **params):
                       "calls run the pure-JAX lax.scan fallback. Rebuild with nvcc on PATH (see "
                       "BUILD_NOTES.md) for the sparse persistent kernel.",
                       RuntimeWarning, stacklevel=2)
-    return mlir.lower_fun(functools.partial(jax_fallback.forward, cell=cell, **params),
-                          multiple_results=True)(ctx, *operands)
+    return _pure_jax(jax_fallback.forward, ctx, *operands, cell=cell, **params)
 
 
-def _backward_cuda(ctx, *operands, **params):
-    return mlir.lower_fun(functools.partial(jax_fallback.backward, **params),
-                          multiple_results=True)(ctx, *operands)
+_warned_platforms: set = set()
+
+
+def _forward_elsewhere(ctx, *operands, **params):
+    """Platforms without a handler of ours (ROCm, TPU, ...): the pure-JAX fallback, warned once
+    per platform, so that a model with sparse layers still runs there (at dense speed)."""
+    platforms = ", ".join(ctx.module_context.platforms)
+    if platforms not in _warned_platforms:
+        _warned_platforms.add(platforms)
+        warnings.warn(f"jax_sprnn has no kernel for {platforms} (only CPU and CUDA GPUs): its "
+                      "calls run the pure-JAX lax.scan fallback there, correct but at the "
+                      "speed of a dense recurrence.", RuntimeWarning, stacklevel=2)
+    return _pure_jax(jax_fallback.forward, ctx, *operands, **params)
 
 
 def _dispatch(primitive, platform_rule):
@@ -89,4 +105,9 @@ mlir.register_lowering(forward_p, _dispatch(forward_p, _require_cpu(_forward_cpu
 mlir.register_lowering(backward_p, _dispatch(backward_p, _require_cpu(_backward_cpu)),
                        platform="cpu")
 mlir.register_lowering(forward_p, _dispatch(forward_p, _forward_cuda), platform="cuda")
-mlir.register_lowering(backward_p, _dispatch(backward_p, _backward_cuda), platform="cuda")
+mlir.register_lowering(backward_p, _dispatch(backward_p, functools.partial(
+    _pure_jax, jax_fallback.backward)), platform="cuda")
+# Every other platform (no platform argument: the default rule).
+mlir.register_lowering(forward_p, _dispatch(forward_p, _forward_elsewhere))
+mlir.register_lowering(backward_p, _dispatch(backward_p, functools.partial(
+    _pure_jax, jax_fallback.backward)))
