@@ -1,7 +1,8 @@
 """Pure-JAX implementations of both primitives, operand for operand.
 
 Lowered where no compiled handler exists (the backward on GPU, the forward on GPUs without the
-CUDA extension), so every platform gets correct results.
+CUDA extension, both on platforms other than CPU and CUDA), so every platform gets correct
+results.
 """
 
 from __future__ import annotations
