@@ -105,9 +105,9 @@ mlir.register_lowering(forward_p, _dispatch(forward_p, _require_cpu(_forward_cpu
 mlir.register_lowering(backward_p, _dispatch(backward_p, _require_cpu(_backward_cpu)),
                        platform="cpu")
 mlir.register_lowering(forward_p, _dispatch(forward_p, _forward_cuda), platform="cuda")
-mlir.register_lowering(backward_p, _dispatch(backward_p, functools.partial(
-    _pure_jax, jax_fallback.backward)), platform="cuda")
+# The backward has no CUDA handler: pure JAX on GPUs as on every other platform.
+_backward_pure_jax = functools.partial(_pure_jax, jax_fallback.backward)
+mlir.register_lowering(backward_p, _dispatch(backward_p, _backward_pure_jax), platform="cuda")
 # Every other platform (no platform argument: the default rule).
 mlir.register_lowering(forward_p, _dispatch(forward_p, _forward_elsewhere))
-mlir.register_lowering(backward_p, _dispatch(backward_p, functools.partial(
-    _pure_jax, jax_fallback.backward)))
+mlir.register_lowering(backward_p, _dispatch(backward_p, _backward_pure_jax))
