@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sprnn.validation import as_int, is_real_number
+from jax_sprnn.validation import as_fraction, as_int, is_real_number
 
 RECURRENT_DENSE_NAMES = frozenset({"hi", "hf", "hg", "ho", "hr", "hz", "hn", "h", "dense_h"})
 
@@ -135,8 +135,7 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
 
     Returns the mask tree (unselected leaves all True).
     """
-    if not is_real_number(density) or not 0.0 <= float(density) <= 1.0:
-        raise ValueError(f"density must be a number in [0, 1], got {density!r}")
+    density = as_fraction("density", density, not_a_number=ValueError)
     if scope not in ("layer", "global"):
         raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -227,10 +226,8 @@ def masked_updates(updates: PyTree, masks: PyTree) -> PyTree:
 # -- gradual pruning schedule ---------------------------------------------------------------------
 def _check_schedule(final_sparsity, initial_sparsity, begin_step, end_step, power) -> None:
     """Sparsities in [0, 1], integer steps in order, a positive power (0 would never prune)."""
-    for name, value in (("final_sparsity", final_sparsity),
-                        ("initial_sparsity", initial_sparsity)):
-        if not is_real_number(value) or not 0.0 <= float(value) < 1.0 + 1e-12:
-            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    as_fraction("final_sparsity", final_sparsity, not_a_number=ValueError)
+    as_fraction("initial_sparsity", initial_sparsity, not_a_number=ValueError)
     as_int("begin_step", begin_step)
     as_int("end_step", end_step)
     if end_step <= begin_step:

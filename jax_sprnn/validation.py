@@ -81,6 +81,16 @@ def is_real_number(value) -> bool:
     return True
 
 
+def as_fraction(name: str, value, not_a_number=TypeError) -> float:
+    """A real number in [0, 1] (a density, a sparsity) as a float: ``not_a_number`` for text,
+    bools and other non-numbers, ValueError outside the range (NaN too)."""
+    if not is_real_number(value):
+        raise not_a_number(f"{name} must be a number in [0, 1], got {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def as_int(name: str, value, minimum: int | None = None) -> int:
     """A Python, NumPy or JAX integer scalar as an int (not a bool): TypeError for other kinds,
     ValueError below ``minimum``."""

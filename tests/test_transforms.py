@@ -80,9 +80,9 @@ def test_platforms_without_a_kernel_run_the_pure_jax_fallback(monkeypatch):
     # program holds no custom call and agrees with the oracle, forward and gradients.
     from jax import export
 
-    from jax_sprnn.primitives import lowering
+    from jax_sprnn.primitives import cuda_lowering
 
-    monkeypatch.setattr(lowering, "_warned_platforms", set())
+    monkeypatch.setattr(cuda_lowering, "_warned", set())
     checks = [export.DisabledSafetyCheck.platform()]
     for n, (cell, platform) in enumerate([("rnn", "tpu"), ("lstm", "rocm"), ("gru", "tpu")]):
         _, p, w = _setup(cell, seed=n)

@@ -18,7 +18,7 @@ import numpy as np
 
 import jax_sprnn as sp
 from jax_sprnn.primitives import recurrence
-from jax_sprnn.validation import as_int, check_flag, is_real_number
+from jax_sprnn.validation import as_fraction, as_int, check_flag
 
 CELLS = ("lstm", "gru", "rnn")
 GATES = recurrence.GATES  # gate blocks per cell, from the primitive's table
@@ -105,22 +105,13 @@ def _check_hidden(hidden) -> None:
         raise ValueError(f"the hidden size must be a positive integer, got {hidden!r}")
 
 
-def _as_density(density) -> float:
-    """A density as a Python float in [0, 1] (NumPy and JAX scalars too, not bools or text)."""
-    if not is_real_number(density):
-        raise TypeError(f"density must be a number in [0, 1], got {density!r}")
-    if not 0.0 <= float(density) <= 1.0:
-        raise ValueError(f"density must lie in [0, 1], got {density}")
-    return float(density)
-
-
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
     """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel."""
     _check_hidden(hidden)
     if gates not in GATES.values():
         raise ValueError(f"gates must be 1 (rnn), 4 (lstm) or 3 (gru), got {gates!r}")
     # Plain Python keys for the cache: a JAX scalar is unhashable.
-    return _cached_random_mask(int(hidden), int(gates), _as_density(density),
+    return _cached_random_mask(int(hidden), int(gates), as_fraction("density", density),
                                as_int("mask_seed", seed, minimum=0))
 
 

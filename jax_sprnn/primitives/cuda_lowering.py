@@ -174,11 +174,12 @@ def _local_gpu() -> bool:
         return False
 
 
-def _warn_once(key, message):
+def warn_once(key, message, category=SparseRNNPerformanceWarning):
+    """Warns the first time ``key`` comes (a lowering runs again at every trace)."""
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(message, SparseRNNPerformanceWarning, stacklevel=3)
+    warnings.warn(message, category, stacklevel=3)
 
 
 def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, variant: int):
@@ -206,7 +207,7 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
         except Exception:  # noqa: BLE001 - planning is advisory; the handler re-plans at run time
             info = None
     if info is not None and info["reason"] and variant != VARIANTS["step_loop"]:
-        _warn_once((cell, str(xp_aval.dtype), hidden, batch, nnz, info["reason"]),
+        warn_once((cell, str(xp_aval.dtype), hidden, batch, nnz, info["reason"]),
                    f"jax_sprnn CUDA {cell} (H={hidden}, B={batch}, nnz={nnz}, "
                    f"{xp_aval.dtype}): {info['reason']}"
                    + ("" if info["persistent"] else "; running the per-step fallback kernel"))

@@ -9,7 +9,6 @@ platform: ROCm, TPU, ...).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 from jax._src import dispatch  # no public equivalent; see below
@@ -43,33 +42,24 @@ def _pure_jax(function, ctx, *operands, **params):
         ctx, *operands)
 
 
-_warned_no_cuda: list = []
-
-
 def _forward_cuda(ctx, *operands, cell, **params):
     if cuda_lowering.available(cell):
         return cuda_lowering.forward_lowering(ctx, *operands, cell=cell, **params)
-    if not _warned_no_cuda:
-        _warned_no_cuda.append(True)
-        warnings.warn(f"jax_sprnn's CUDA extension {_ffi.why_missing('_sprnn_cuda')}: GPU "
-                      "calls run the pure-JAX lax.scan fallback. Rebuild with nvcc on PATH (see "
-                      "BUILD_NOTES.md) for the sparse persistent kernel.",
-                      RuntimeWarning, stacklevel=2)
+    cuda_lowering.warn_once(
+        "no CUDA extension", f"jax_sprnn's CUDA extension {_ffi.why_missing('_sprnn_cuda')}: "
+        "GPU calls run the pure-JAX lax.scan fallback. Rebuild with nvcc on PATH (see "
+        "BUILD_NOTES.md) for the sparse persistent kernel.", RuntimeWarning)
     return _pure_jax(jax_fallback.forward, ctx, *operands, cell=cell, **params)
-
-
-_warned_platforms: set = set()
 
 
 def _forward_elsewhere(ctx, *operands, **params):
     """Platforms without a handler of ours (ROCm, TPU, ...): the pure-JAX fallback, warned once
     per platform, so that a model with sparse layers still runs there (at dense speed)."""
     platforms = ", ".join(ctx.module_context.platforms)
-    if platforms not in _warned_platforms:
-        _warned_platforms.add(platforms)
-        warnings.warn(f"jax_sprnn has no kernel for {platforms} (only CPU and CUDA GPUs): its "
-                      "calls run the pure-JAX lax.scan fallback there, correct but at the "
-                      "speed of a dense recurrence.", RuntimeWarning, stacklevel=2)
+    cuda_lowering.warn_once(
+        ("no kernel", platforms), f"jax_sprnn has no kernel for {platforms} (only CPU and CUDA "
+        "GPUs): its calls run the pure-JAX lax.scan fallback there, correct but at the speed "
+        "of a dense recurrence.", RuntimeWarning)
     return _pure_jax(jax_fallback.forward, ctx, *operands, **params)
 
 
