@@ -202,3 +202,64 @@ def test_vmap_over_weights_runs_each_instance(cell):
     for i, (p, w) in enumerate(zip(problems, ws)):
         np.testing.assert_allclose(grads[i], jax.grad(loss)(w.values, w, p["xp"], p["carry"]),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_calls_inside_loops_and_cond():
+    """What models do around a layer: a generation loop of one-step calls (fori_loop and a
+    data-dependent while_loop), a stack of layers scanned over stacked weights, and a cond
+    between directions, all under jit, against the float64 oracle. On a GPU XLA may place loop
+    bodies in command buffers (CUDA graphs), which our handlers are not: every iteration must
+    still run its own launch."""
+    rng, p, w = _setup("lstm", steps=7)
+    xp, carry = p["xp"], p["carry"]
+    ref_ys, ref_final = oracle.run("lstm", xp, carry, p["kernel"])
+
+    def one_step(t, state):
+        carry, ys = state
+        y, carry = sp.lstm(jax.lax.dynamic_slice_in_dim(xp, t, 1), carry, w)
+        return carry, ys.at[t].set(y[0])
+
+    start = (carry, jnp.zeros(ref_ys.shape, jnp.float32))
+    final, ys = jax.jit(lambda: jax.lax.fori_loop(0, 7, one_step, start))()
+    assert oracle.rel_error(ys, ref_ys) < 2e-5
+    assert oracle.rel_error(final[1], ref_final[1]) < 2e-5
+
+    def until_done(state):  # stops on a value the loop computes (here: after step 4)
+        t, _, ys = state
+        return jnp.logical_and(t < 7, jnp.all(ys[3] == 0))
+
+    t, _, ys = jax.jit(lambda: jax.lax.while_loop(
+        until_done, lambda s: (s[0] + 1, *one_step(s[0], s[1:])), (0, *start)))()
+    assert int(t) == 4 and not np.any(np.asarray(ys[4:]))
+    assert oracle.rel_error(ys[:4], ref_ys[:4]) < 2e-5
+
+    # Three ReLU layers of one nnz, scanned: each layer's outputs are the next one's xp.
+    problems = [oracle.random_problem(rng, "rnn", 7, 3, 13, 0.3, jnp.dtype("float32"))
+                for _ in range(3)]
+    nnz = min(int(q["mask"].sum()) for q in problems)
+    for q in problems:
+        q["mask"].flat[np.flatnonzero(q["mask"])[nnz:]] = False
+        q["kernel"] = np.where(q["mask"], q["kernel"], 0).astype(np.float32)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a),
+                           *(sp.SparseWeights.from_dense(q["kernel"], q["mask"]) for q in problems))
+    h0 = problems[0]["carry"][0]
+
+    def layer(seq, w_layer):
+        ys, h_t = sp.rnn(seq, h0, w_layer, activation="relu")
+        return ys, h_t
+
+    top, finals = jax.jit(lambda: jax.lax.scan(layer, problems[0]["xp"], stacked))()
+    seq = problems[0]["xp"]
+    for i, q in enumerate(problems):
+        seq, ref_h = oracle.run("rnn", seq, (h0,), q["kernel"], activation="relu")
+        assert oracle.rel_error(finals[i], ref_h[-1]) < 2e-5
+    assert oracle.rel_error(top, seq) < 2e-5
+
+    # A traced switch between the two directions.
+    lengths = np.array([7, 2, 0], np.int32)
+    pick = jax.jit(lambda backwards: jax.lax.cond(
+        backwards, lambda: sp.lstm(xp, carry, w, lengths, reverse=True)[0],
+        lambda: sp.lstm(xp, carry, w, lengths)[0]))
+    for backwards in (False, True):
+        ref, _ = oracle.run("lstm", xp, carry, p["kernel"], lengths, reverse=backwards)
+        assert oracle.rel_error(pick(backwards), ref) < 2e-5
