@@ -2,12 +2,13 @@
 a model samples one token after another, against the same loop over a dense step, and against
 one call over all N steps. us per step, medians of interleaved rounds.
 
-    python benchmarks/decode_loop.py [--steps 256] [--rounds 5] [--out FILE.json]
+    python benchmarks/decode_loop.py [--steps 256] [--batch 4] [--rounds 5] [--out FILE.json]
 
-Ours runs in four forms: the default plan (the persistent kernel) with the per-call sync check
+Ours runs in five forms: the default plan (the persistent kernel) with the per-call sync check
 that turns a timed-out wait into an error (on by default) and without it
 (SPRNN_CUDA_SYNC_CHECK=0, read at each call), and the per-step kernel (variant "step_loop",
-chosen when the call is lowered), again with and without the check.
+chosen when the call is lowered), again with and without the check; and the pure-JAX
+reference (`implementation="reference"`: a dense step from the weights' dense form).
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ import jax_sprnn as sp
 from jax_sprnn.primitives import cuda_lowering
 
 LAYERS = [("lstm", None, 1024, 0.1, jnp.float16), ("lstm", None, 1024, 0.1, jnp.float32),
-          ("rnn", "relu", 1152, 0.1, jnp.float16)]
-B = 4
+          ("rnn", "relu", 1152, 0.1, jnp.float16), ("lstm", None, 4096, 0.1, jnp.float16)]
 CHECK_OFF = {"SPRNN_CUDA_SYNC_CHECK": "0"}
 
 
-def sparse_call(cell, act, w):
+def sparse_call(cell, act, w, implementation="auto"):
     def call(xp, carry):
         if cell == "lstm":
-            return sp.lstm(xp, carry, w)
-        ys, h = sp.rnn(xp, carry[0], w, act)
+            return sp.lstm(xp, carry, w, implementation=implementation)
+        ys, h = sp.rnn(xp, carry[0], w, act, implementation=implementation)
         return ys, (h,)
     return call
 
@@ -72,26 +72,29 @@ def seconds(f, rounds_out, knobs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; B={B}, {args.steps} steps, "
+    print(f"device: {jax.devices()[0].device_kind}; B={args.batch}, {args.steps} steps, "
           f"medians of {args.rounds} rounds, us per step", flush=True)
     rows = []
     for cell, act, H, density, dtype in LAYERS:
-        kernel, mask, xp, h0 = problem(cell, H, B, args.steps, density, dtype)
+        kernel, mask, xp, h0 = problem(cell, H, args.batch, args.steps, density, dtype)
         carry = initial_carry(cell, h0)
         w = sp.SparseWeights.from_dense(kernel, mask)
         ours = step_loop(sparse_call(cell, act, w), xp, carry)
         with knobs_set({"SPRNN_CUDA_VARIANT": str(cuda_lowering.VARIANTS["step_loop"])}):
             ours_step_kernel = step_loop(sparse_call(cell, act, w), xp, carry)
             jax.block_until_ready(ours_step_kernel())  # lowered now, with the variant set
+        reference = step_loop(sparse_call(cell, act, w, "reference"), xp, carry)
         whole = jax.jit(lambda: sparse_call(cell, act, w)(xp, carry)[0])
         dense = step_loop(dense_one_step(cell, act, kernel), xp, carry)
         forms = {"ours, persistent, check on": (ours, {}),
                  "ours, persistent, check off": (ours, CHECK_OFF),
                  "ours, per-step kernel, check on": (ours_step_kernel, {}),
                  "ours, per-step kernel, check off": (ours_step_kernel, CHECK_OFF),
+                 "ours, reference (pure JAX) loop": (reference, {}),
                  "dense step loop (XLA)": (dense, {}),
                  "ours, one call of all steps": (whole, {})}
         times = {name: [] for name in forms}
@@ -100,7 +103,7 @@ def main():
         for _ in range(args.rounds):
             for name, (f, kn) in forms.items():
                 seconds(f, times[name], knobs_set(kn))
-        label = f"{cell} H={H} {density:.0%} {jnp.dtype(dtype).name}"
+        label = f"{cell} H={H} {density:.0%} {jnp.dtype(dtype).name} B={args.batch}"
         ref = np.asarray(whole(), np.float32)
         for name, (f, kn) in forms.items():
             with knobs_set(kn):
@@ -108,7 +111,7 @@ def main():
             us = 1e6 * float(np.median(times[name])) / args.steps
             err = float(np.max(np.abs(ys - ref)))
             rows.append(dict(layer=label, form=name, us_per_step=us, max_diff_vs_one_call=err))
-            print(f"{label:24s} {name:34s} {us:8.2f}   max |ys - one call| {err:.1e}", flush=True)
+            print(f"{label:28s} {name:34s} {us:8.2f}   max |ys - one call| {err:.1e}", flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)
