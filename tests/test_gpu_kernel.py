@@ -145,6 +145,25 @@ def test_kernel_matches_oracle(cell, dtype, variant):
         check(cell, dtype, shape, variant, n, bank_period=bank_period)
 
 
+# Calls of one step (T = 1: B = 1, H = 1, density 0 and 1, skewed and empty rows, lengths 0 and
+# 1 and reverse rotating over the cases).
+ONE_STEP_SHAPES = [(1, 1, 1, 1.0, "uniform"), (1, 4, 33, 0.0, "uniform"),
+                   (1, 9, 517, 0.2, "skewed"), (1, 3, 300, 0.3, "empty_rows"),
+                   (1, 4, 1152, 0.1, "uniform"), (1, 5, 129, 1.0, "uniform")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_one_step_calls(cell, dtype):
+    """The default plan of a one-step call (a sampling loop's iteration) is a single launch of
+    the per-step kernel, which reads h0 / c0 and writes hT / cT itself."""
+    calls = _ffi.cuda_module.one_step_calls()
+    for n, shape in enumerate(ONE_STEP_SHAPES):
+        act = "relu" if cell == "rnn" and n % 2 else "tanh"
+        check(cell, dtype, shape, -1, n, activation=act)
+    assert _ffi.cuda_module.one_step_calls() == calls + len(ONE_STEP_SHAPES)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_relu_large_and_wide_batch(dtype):
     for n, shape in enumerate([(8, 4, 5760, 0.1, "uniform"), (6, 64, 1152, 0.1, "uniform"),

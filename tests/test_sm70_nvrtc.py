@@ -67,6 +67,8 @@ def instantiations(cell):
                          f"sprnn::cuda::DType::{dt}, {bt}>")
         for k in ("step_init", "step_fwd", "step_final"):
             names.append(f"sprnn::cuda::{k}<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}>")
+        names.append(f"sprnn::cuda::step_fwd<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}, "
+                     "true>")  # a call of one step (T = 1) in one launch
     return names
 
 

@@ -670,11 +670,11 @@ cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const 
 }
 
 cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
-                      cudaStream_t s) {
+                      cudaStream_t s, bool one_step = false) {
   switch (cell) {
-    case Cell::kLstm: return run_steps_lstm(dtype, p, hbuf, cbuf, s);
-    case Cell::kGru: return run_steps_gru(dtype, p, hbuf, cbuf, s);
-    default: return run_steps_rnn(dtype, p, hbuf, cbuf, s);
+    case Cell::kLstm: return run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step);
+    case Cell::kGru: return run_steps_gru(dtype, p, hbuf, cbuf, s, one_step);
+    default: return run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step);
   }
 }
 
@@ -706,6 +706,8 @@ bool has_shape(const ffi::AnyBuffer& b, const ffi::AnyBuffer& like,
 std::atomic<long long> g_mma_reruns{0};
 // Calls planned on the persistent kernel that ran the per-step fallback (the tests read it).
 std::atomic<long long> g_step_fallbacks{0};
+// Calls of one step that ran as a single per-step launch (forward; the tests read it).
+std::atomic<long long> g_one_step_calls{0};
 
 ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
@@ -755,7 +757,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
     return cuda_error(target, "cudaGetDevice", e);
   const DeviceInfo info = device_info(dev);
-  Plan pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info, activation != 0);
 
   unsigned char* wsp = static_cast<unsigned char*>(ws->untyped_data());
   Params p{};
@@ -788,7 +789,21 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = row_lanes_knob();
 
+  // A call of one step (T = 1, the default variant), e.g. one iteration of a sampling loop:
+  // the persistent kernel's prologue, workspace memset and per-call sync would cost several
+  // times the step (a jitted loop of one-step calls: 42-66 us per step against 15-50 for a
+  // dense step; benchmarks/decode_loop.py, benchmarks/NOTES.md session 81). One launch of the
+  // per-step kernel instead: it has no wait to bound and raises no flag, so no sync either.
+  if (T == 1 && variant == -1) {
+    if (cudaError_t e = run_steps(cell, dtype, p, nullptr, nullptr, stream, true);
+        e != cudaSuccess)
+      return cuda_error(target, "one-step launch", e);
+    g_one_step_calls.fetch_add(1);
+    return ffi::Error::Success();
+  }
+
   // Run the plan; one rerun without the tensor-core rows where they stop (flags 4 and 5).
+  Plan pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info, activation != 0);
   for (;;) {
     // Zero the flag, the counters and the exchange buffer (tag 0 never matches a step's tag).
     if (cudaError_t e = cudaMemsetAsync(wsp, 0, ws_need, stream); e != cudaSuccess)
@@ -1070,6 +1085,9 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("step_fallbacks", []() { return sprnn::cuda::g_step_fallbacks.load(); },
         "Calls so far that were planned on the persistent kernel but ran the per-step fallback "
         "because the GPU would not take the launch (warned once on stderr).");
+  m.def("one_step_calls", []() { return sprnn::cuda::g_one_step_calls.load(); },
+        "Calls of one step (T = 1, the default variant) so far, each run as a single launch of "
+        "the per-step kernel instead of the persistent kernel.");
   m.def("plan", &plan_dict, py::arg("gates"), py::arg("dtype"), py::arg("hidden"),
         py::arg("batch"), py::arg("nnz"), py::arg("variant") = -1, py::arg("sms") = 0,
         py::arg("smem_optin") = 0, py::arg("cc_major") = 0, py::arg("max_cluster") = 0,

@@ -88,14 +88,19 @@ KernelFn cluster_kernel(int bt) {
 }
 
 template <Cell C, DType D>
-cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream) {
+cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
+                      bool one_step) {
   const long long n = static_cast<long long>(p.B) * p.H;
-  const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
-  step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   const long long warps = n;
   const long long blocks = (warps * 32 + 255) / 256;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (one_step) {  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
+    step_fwd<C, D, true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, 0, nullptr, nullptr);
+    return cudaGetLastError();
+  }
+  const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
+  step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   for (int s = 0; s < p.T; ++s) {
     step_fwd<C, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s, hbuf, cbuf);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -112,7 +117,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
                                   Words words, bool mma, bool relu);                      \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
-                               cudaStream_t s);
+                               cudaStream_t s, bool one_step);
 SPRNN_CELL_ENTRY(rnn)
 SPRNN_CELL_ENTRY(lstm)
 SPRNN_CELL_ENTRY(gru)
@@ -134,9 +139,10 @@ SPRNN_CELL_ENTRY(gru)
     return by_dtype(dtype, [&](auto d) { return cluster_kernel<C, decltype(d)::value>(bt); }); \
   }                                                                                      \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,      \
-                               cudaStream_t s) {                                         \
-    return by_dtype(dtype,                                                               \
-                    [&](auto d) { return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s); }); \
+                               cudaStream_t s, bool one_step) {                          \
+    return by_dtype(dtype, [&](auto d) {                                                 \
+      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step);               \
+    });                                                                                  \
   }
 
 }  // namespace sprnn::cuda

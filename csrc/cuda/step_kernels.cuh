@@ -24,7 +24,10 @@ __global__ void step_init(Params p, float* hbuf, float* cbuf) {
   }
 }
 
-template <Cell kCell, DType D>
+// kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
+// read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
+// workspace, no step_init / step_final and, having no wait, no sync check.
+template <Cell kCell, DType D, bool kOneStep = false>
 __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -35,14 +38,24 @@ __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   if (wid >= static_cast<long long>(H) * B) return;
   const int u = static_cast<int>(wid % H);
   const int b = static_cast<int>(wid / H);
-  const float* hin = hbuf + (s & 1) * static_cast<long long>(B) * H;
-  float* hout = hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
+  const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
+  float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
+  auto h_at = [&](long long i) {
+    if constexpr (kOneStep) return T::to_f(static_cast<const S*>(p.h0)[i]);
+    else return hin[i];
+  };
   const int len = seq_len(p, b);
   const long long bi = static_cast<long long>(b) * H + u;
-  const float hprev = hin[bi];
+  const float hprev = h_at(bi);
   if (s >= len) {
     if (lane == 0) {
-      hout[bi] = hprev;
+      if constexpr (kOneStep) {  // a sequence of length 0 keeps its initial state, bit for bit
+        static_cast<S*>(p.hT)[bi] = static_cast<const S*>(p.h0)[bi];
+        if constexpr (kCell == Cell::kLstm)
+          static_cast<S*>(p.cT)[bi] = static_cast<const S*>(p.c0)[bi];
+      } else {
+        hout[bi] = hprev;
+      }
       const long long o = (static_cast<long long>(s) * B + b) * H + u;
       static_cast<S*>(p.ys)[o] = T::from_f(0.0f);
       if constexpr (kCell == Cell::kLstm) static_cast<S*>(p.cs)[o] = T::from_f(0.0f);
@@ -57,7 +70,7 @@ __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
     const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
     float a = 0.0f;
     for (int k = k0 + lane; k < k1; k += 32)
-      a = fmaf(T::to_f(vals[k]), hin[static_cast<long long>(b) * H + __ldg(p.col_idx + k)], a);
+      a = fmaf(T::to_f(vals[k]), h_at(static_cast<long long>(b) * H + __ldg(p.col_idx + k)), a);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
     hw[g] = a;
@@ -74,16 +87,18 @@ __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
     float pre[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) pre[g] = x[g] + hw[g];
-    float c = cbuf[bi];
+    float c = kOneStep ? T::to_f(static_cast<const S*>(p.c0)[bi]) : cbuf[bi];
     hnew = lstm_step(pre, c);
-    cbuf[bi] = c;
+    if constexpr (kOneStep) static_cast<S*>(p.cT)[bi] = T::from_f(c);
+    else cbuf[bi] = c;
     static_cast<S*>(p.cs)[o] = T::from_f(c);
   } else if constexpr (kCell == Cell::kGru) {
     hnew = gru_step(x, hw, T::to_f(static_cast<const S*>(p.b_hn)[u]), hprev);
   } else {
     hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw[0]) : rnn_step<Cell::kRnnTanh>(x[0], hw[0]);
   }
-  hout[bi] = hnew;
+  if constexpr (kOneStep) static_cast<S*>(p.hT)[bi] = T::from_f(hnew);
+  else hout[bi] = hnew;
   static_cast<S*>(p.ys)[o] = T::from_f(hnew);
 }
 

@@ -24,6 +24,12 @@ Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured 
       warning) when the layer does not fit one cluster
 ====  =====================================================================================
 
+A call of one step (T = 1) with the default variant runs neither: one launch of variant 4's
+per-step kernel that reads h0 / c0 and writes hT / cT itself, with no workspace memset and no
+per-call sync (it has no wait to bound). In a jitted loop of one-step calls (sampling) the
+persistent kernel's launch, prologue and sync cost more than the step (benchmarks/decode_loop.py,
+benchmarks/NOTES.md session 81).
+
 The kernel itself falls back to variant 4 when the layer's hidden state tile cannot be held in
 one block's shared memory or the GPU cannot launch a cooperative grid, and streams from L2 the
 nonzeros that do not fit on chip. Both cases warn once (``SparseRNNPerformanceWarning``; the
