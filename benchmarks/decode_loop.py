@@ -4,10 +4,11 @@ one call over all N steps. us per step, medians of interleaved rounds.
 
     python benchmarks/decode_loop.py [--steps 256] [--batch 4] [--rounds 5] [--out FILE.json]
 
-Ours runs in five forms: the default plan (the persistent kernel) with the per-call sync check
-that turns a timed-out wait into an error (on by default) and without it
-(SPRNN_CUDA_SYNC_CHECK=0, read at each call), and the per-step kernel (variant "step_loop",
-chosen when the call is lowered), again with and without the check; and the pure-JAX
+Ours runs in five forms: the default (since session 81 a one-step call is one launch of the
+per-step kernel, with no sync); the persistent kernel (variant "lamport", the default before,
+chosen when the call is lowered) with the per-call sync check that turns a timed-out wait into
+an error and without it (SPRNN_CUDA_SYNC_CHECK=0, read at each call); the per-step kernel as
+variant "step_loop" (workspace, init and final kernels, the sync check); and the pure-JAX
 reference (`implementation="reference"`: a dense step from the weights' dense form).
 """
 
@@ -53,6 +54,14 @@ def step_loop(step, xp, carry0):
     return jax.jit(lambda: jax.lax.fori_loop(0, steps, body, (carry0, ys0))[1])
 
 
+def lowered_with_variant(variant, call, xp, carry0):
+    """step_loop() of the call, lowered (so compiled) while SPRNN_CUDA_VARIANT names a variant."""
+    with knobs_set({"SPRNN_CUDA_VARIANT": str(cuda_lowering.VARIANTS[variant])}):
+        f = step_loop(call, xp, carry0)
+        jax.block_until_ready(f())
+    return f
+
+
 def dense_one_step(cell, act, kernel):
     cell_step = dense_step(cell, act)
 
@@ -84,16 +93,15 @@ def main():
         carry = initial_carry(cell, h0)
         w = sp.SparseWeights.from_dense(kernel, mask)
         ours = step_loop(sparse_call(cell, act, w), xp, carry)
-        with knobs_set({"SPRNN_CUDA_VARIANT": str(cuda_lowering.VARIANTS["step_loop"])}):
-            ours_step_kernel = step_loop(sparse_call(cell, act, w), xp, carry)
-            jax.block_until_ready(ours_step_kernel())  # lowered now, with the variant set
+        persistent, step_kernel = (lowered_with_variant(name, sparse_call(cell, act, w), xp, carry)
+                                   for name in ("lamport", "step_loop"))
         reference = step_loop(sparse_call(cell, act, w, "reference"), xp, carry)
         whole = jax.jit(lambda: sparse_call(cell, act, w)(xp, carry)[0])
         dense = step_loop(dense_one_step(cell, act, kernel), xp, carry)
-        forms = {"ours, persistent, check on": (ours, {}),
-                 "ours, persistent, check off": (ours, CHECK_OFF),
-                 "ours, per-step kernel, check on": (ours_step_kernel, {}),
-                 "ours, per-step kernel, check off": (ours_step_kernel, CHECK_OFF),
+        forms = {"ours, default": (ours, {}),
+                 "ours, persistent, check on": (persistent, {}),
+                 "ours, persistent, check off": (persistent, CHECK_OFF),
+                 "ours, step_loop variant, check on": (step_kernel, {}),
                  "ours, reference (pure JAX) loop": (reference, {}),
                  "dense step loop (XLA)": (dense, {}),
                  "ours, one call of all steps": (whole, {})}

@@ -69,6 +69,9 @@ __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
     const long long r = static_cast<long long>(u) * G + g;
     const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
     float a = 0.0f;
+    // Unrolled so that each lane has several column and h loads in flight: one at a time, a
+    // long row waits a global round trip per nonzero (LSTM H=4096: ~13 per lane and gate).
+#pragma unroll 4
     for (int k = k0 + lane; k < k1; k += 32)
       a = fmaf(T::to_f(vals[k]), h_at(static_cast<long long>(b) * H + __ldg(p.col_idx + k)), a);
 #pragma unroll
