@@ -264,7 +264,7 @@ def test_tensor_core_row_plans(monkeypatch):
     assert not mma()
 
 
-def _export_for_cuda():
+def _export_for_cuda(steps=5):
     """Lowers a small ReLU layer for CUDA (no GPU needed): runs the CUDA lowering's checks.
 
     The layer fits any GPU: no performance warning (on a machine without a GPU the lowering
@@ -278,7 +278,7 @@ def _export_for_cuda():
     with warnings.catch_warnings():
         warnings.simplefilter("error", cuda_lowering.SparseRNNPerformanceWarning)
         return export.export(f, disabled_checks=checks, platforms=("cuda",))(
-            jnp.zeros((5, 4, 8), jnp.float16), jnp.zeros((4, 8), jnp.float16))
+            jnp.zeros((steps, 4, 8), jnp.float16), jnp.zeros((4, 8), jnp.float16))
 
 
 @pytest.mark.parametrize("name,bad,good", [
@@ -299,3 +299,16 @@ def test_documented_knobs_are_checked_at_lowering(monkeypatch, name, bad, good):
 
 def test_export_for_cuda_on_a_machine_without_a_gpu_warns_nothing():
     _export_for_cuda()  # a performance warning is an error inside
+
+
+def test_one_step_calls_do_not_warn_of_the_plan(monkeypatch):
+    # A call of one step runs a single launch of the per-step kernel (handlers.cu), never the
+    # plan: the planner's performance warning would be wrong there. As if on a GPU whose plan
+    # for this layer had a reason to warn:
+    reason = f"a reason to warn ({id(monkeypatch)})"  # once per test run (warn_once)
+    monkeypatch.setattr(cuda_lowering, "_local_gpu", lambda: True)
+    monkeypatch.setattr(cuda_lowering, "plan",
+                        lambda *a, **k: {"reason": reason, "persistent": True})
+    _export_for_cuda(steps=1)  # a performance warning is an error inside
+    with pytest.raises(cuda_lowering.SparseRNNPerformanceWarning, match="a reason to warn"):
+        _export_for_cuda(steps=2)

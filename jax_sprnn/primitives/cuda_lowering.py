@@ -205,8 +205,11 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
     variant = int(variant)
     if variant == -1:  # benchmarks select a variant for the public API through the environment
         variant = int(os.environ.get("SPRNN_CUDA_VARIANT", "").strip() or -1)
+    # A call of one step runs a single launch of the per-step kernel, not the plan
+    # (csrc/cuda/handlers.cu): nothing to warn about.
+    one_step = isinstance(steps, (int, np.integer)) and steps == 1 and variant == -1
     info = None
-    if _local_gpu():  # else an export for a GPU elsewhere: nothing here to plan for
+    if _local_gpu() and not one_step:  # else an export for a GPU elsewhere: nothing to plan for
         try:
             info = plan(cell, xp_aval.dtype, hidden, batch, nnz, variant,
                         activation="relu" if activation else "tanh")
