@@ -2,7 +2,7 @@
 a model samples one token after another, against the same loop over a dense step, and against
 one call over all N steps. us per step, medians of interleaved rounds.
 
-    python benchmarks/decode_loop.py [--steps 256] [--batch 4] [--rounds 5] [--out FILE.json]
+    python benchmarks/decode_loop.py [--steps 256] [--batch 4] [--rounds 5] [--out DIR]
 
 Ours runs in five forms: the default (since session 81 a one-step call is one launch of the
 per-step kernel, with no sync); the persistent kernel (variant "lamport", the default before,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -83,7 +84,8 @@ def main():
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--out", default=None,
+                    help="also write the rows as JSON to DIR/decode_loop_b<batch>.json")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; B={args.batch}, {args.steps} steps, "
           f"medians of {args.rounds} rounds, us per step", flush=True)
@@ -121,7 +123,7 @@ def main():
             rows.append(dict(layer=label, form=name, us_per_step=us, max_diff_vs_one_call=err))
             print(f"{label:28s} {name:34s} {us:8.2f}   max |ys - one call| {err:.1e}", flush=True)
     if args.out:
-        with open(args.out, "w") as fh:
+        with open(os.path.join(args.out, f"decode_loop_b{args.batch}.json"), "w") as fh:
             json.dump(rows, fh, indent=1)
 
 

@@ -5,7 +5,7 @@
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
-#                            func-attr|multi-gpu|trace|all]
+#                            func-attr|multi-gpu|trace|decode|all]
 #                                                                       (default all)
 # build: the package only (then run what you need, e.g. pytest on chosen test files).
 # all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
@@ -18,6 +18,8 @@
 #   leaves after the build (90-140 s, sessions 46-47): TEST_SHARD=1/2, then 2/2 in a second call.
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick", cut after
 #   BENCH_TIMEOUT (default 400) s; a benchmark cut by its limit ends its log with "CUT by".
+# decode: benchmarks/decode_loop.py at B=4 and B=1 (one-step calls in a jitted loop, as a model
+#   samples, against a dense step loop).
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
@@ -45,7 +47,7 @@ MODE="${1:-all}"
 # A mistyped mode would otherwise build and stop without a word.
 case "$MODE" in
   build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|probe-profile|exchange|\
-  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|multi-gpu|trace|all) ;;
+  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|multi-gpu|trace|decode|all) ;;
   *) echo "unknown mode '$MODE'; see the usage at the top of $0" >&2; exit 2 ;;
 esac
 OUT="${OUT:-benchmarks/results/run}"
@@ -194,6 +196,11 @@ if [ "$MODE" = timing ]; then  # bench_gpu.py $BENCH_ARGS only (no tests)
 fi
 if [ "$MODE" = trace ]; then  # the device timeline of chained calls (benchmarks/trace_calls.py)
   run_bench trace_calls.py "${BENCH_TIMEOUT:-300}" trace.log 40 ${TRACE_ARGS:-}
+fi
+if [ "$MODE" = decode ]; then  # one-step calls in a jitted loop (benchmarks/decode_loop.py)
+  for b in 4 1; do
+    run_bench decode_loop.py "${BENCH_TIMEOUT:-200}" "decode_loop_b$b.txt" 40 --batch "$b"
+  done
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
   REPO="$(pwd)"
