@@ -387,6 +387,32 @@ def test_isa_builds_agree(case, monkeypatch):
         close(fast[k], base[k], dt, f"default vs baseline build: {k}")
 
 
+@pytest.mark.parametrize("isa", ["base", "default"])
+def test_float16_weights_widen_exactly(isa, monkeypatch):
+    """Each weight once through the rows: h = +-1, xp = 0 and a diagonal mask make every
+    pre-activation one weight, so ReLU's output is +-the weight (or 0) bit for bit. Both builds
+    (the default widens halves with F16C, 8 at a time, then a scalar tail: 240-247 weights give
+    every tail length) over normals, subnormals, signed zeros, the largest half, inf and NaN."""
+    if isa == "base":
+        monkeypatch.setenv("SPRNN_CPU_ISA", "base")
+    rng = np.random.default_rng(3)
+    special = np.array([0.0, -0.0, 6e-8, -6e-8, 3e-5, 65504.0, -65504.0, np.inf, -np.inf,
+                        np.nan, 1.0, -1.0], np.float16)
+    for H in range(240, 248):
+        magnitudes = 2.0 ** rng.uniform(-24, 15, H - special.size)
+        values = np.concatenate([special, (magnitudes * rng.choice([-1, 1], magnitudes.size))
+                                 .astype(np.float16)])
+        w = jax_sprnn.SparseWeights.from_dense(jnp.asarray(np.diag(values)),
+                                               np.eye(H, dtype=bool))
+        for sign in (1, -1):
+            p = dict(xp=jnp.zeros((1, 1, H), jnp.float16), w=w,
+                     h0=jnp.full((1, H), sign, jnp.float16), lengths=jnp.ones((1,), jnp.int32))
+            ys = np.asarray(ffi_forward("rnn", p, False, activation=1)["ys"], np.float32)[0, 0]
+            signed = sign * values.astype(np.float32)
+            expected = np.where(np.isnan(signed), np.nan, np.maximum(signed, 0))
+            np.testing.assert_array_equal(ys, expected, err_msg=f"H={H}, h={sign}")
+
+
 # A thread that keeps waiting for the others finishes the call alone (team.h, SoloSwitch);
 # SPRNN_CPU_SOLO_TEST=1 forces the last thread to take over after step 1.
 @pytest.mark.parametrize("case", THREADED[:3], ids=[case_id(c) for c in THREADED[:3]])

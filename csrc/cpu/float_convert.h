@@ -10,6 +10,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define SPRNN_CPU_HAVE_F16C 1
+#endif
 
 namespace sprnn::cpu {
 
@@ -87,6 +93,33 @@ inline uint16_t float_to_f16(float f) {
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return bf16_to_float(x.bits); }
 inline float to_float(f16 x) { return f16_to_float(x.bits); }
+
+#if defined(SPRNN_CPU_HAVE_F16C)
+// vcvtph2ps, 8 halves at a time: exact like f16_to_float (a signalling NaN comes out quiet).
+__attribute__((target("avx,f16c"))) inline void f16_to_float_f16c(const f16* in, float* out,
+                                                                  int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + k));
+    _mm256_storeu_ps(out + k, _mm256_cvtph_ps(h));
+  }
+  for (; k < n; ++k) out[k] = f16_to_float(in[k].bits);
+}
+#endif
+
+// out[k] = to_float(in[k]) for k < n. f16c: the caller's run-time choice of F16C (every AVX2
+// CPU has it). The scalar half conversion costs ~2 ns per value, a third of a float16 call of
+// one step at LSTM H=1024 (its 420K weights; benchmarks/NOTES.md, session 81).
+template <typename S>
+inline void to_float_span(const S* in, float* out, int64_t n, bool f16c) {
+#if defined(SPRNN_CPU_HAVE_F16C)
+  if constexpr (std::is_same_v<S, f16>) {
+    if (f16c) return f16_to_float_f16c(in, out, n);
+  }
+#endif
+  (void)f16c;
+  for (int64_t k = 0; k < n; ++k) out[k] = to_float(in[k]);
+}
 
 template <typename S>
 inline S from_float(float x);

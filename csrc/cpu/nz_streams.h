@@ -44,11 +44,10 @@ class NzBuffers {
   NzBuffers& operator=(const NzBuffers&) = delete;
 
   // Nonzeros [k0, k1). Each thread of a team packs those of its own rows, so that they start
-  // out in its cache and the packing is split too.
+  // out in its cache and the packing is split too. f16c: convert halves with F16C.
   template <typename S>
-  void pack(const S* values, const int32_t* col, int64_t k0, int64_t k1, int64_t B) {
-    float* v = s_.v.data();
-    for (int64_t k = k0; k < k1; ++k) v[k] = to_float(values[k]);
+  void pack(const S* values, const int32_t* col, int64_t k0, int64_t k1, int64_t B, bool f16c) {
+    to_float_span(values + k0, s_.v.data() + k0, k1 - k0, f16c);
     if (narrow_) {
       for (int64_t k = k0; k < k1; ++k) s_.off16[k] = static_cast<uint16_t>(col[k] * B);
     } else {
