@@ -160,20 +160,24 @@ def test_per_example_weight_gradients():
     np.testing.assert_allclose(summed, per_example.sum(0), rtol=1e-5, atol=1e-5)
 
 
+def _stackable_problems(rng, cell, steps, batch, hidden, density, count=3):
+    """`count` float32 problems whose weights stack into one pytree (stacking needs one nnz:
+    each mask keeps its first `nnz` entries in flat order). Returns (problems, weights, the
+    weights stacked)."""
+    problems = [oracle.random_problem(rng, cell, steps, batch, hidden, density,
+                                      jnp.dtype("float32")) for _ in range(count)]
+    nnz = min(int(p["mask"].sum()) for p in problems)
+    for p in problems:
+        p["mask"].flat[np.flatnonzero(p["mask"])[nnz:]] = False
+        p["kernel"] = np.where(p["mask"], p["kernel"], 0).astype(np.float32)
+    ws = [sp.SparseWeights.from_dense(p["kernel"], p["mask"]) for p in problems]
+    return problems, ws, jax.tree.map(lambda *a: jnp.stack(a), *ws)
+
+
 @pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
 def test_vmap_over_weights_runs_each_instance(cell):
     """An ensemble: weights (values, pattern, b_hn) mapped too, checked against the oracle."""
-    rng = np.random.default_rng(7)
-    problems = [oracle.random_problem(rng, cell, 5, 3, 9, 0.4, jnp.dtype("float32"))
-                for _ in range(3)]
-    # Stacking needs one nnz: keep each mask's first `nnz` entries in flat order.
-    nnz = min(int(p["mask"].sum()) for p in problems)
-    for p in problems:
-        keep = np.flatnonzero(p["mask"])[nnz:]
-        p["mask"].flat[keep] = False
-        p["kernel"] = np.where(p["mask"], p["kernel"], 0).astype(np.float32)
-    ws = [sp.SparseWeights.from_dense(p["kernel"], p["mask"]) for p in problems]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+    problems, ws, stacked = _stackable_problems(np.random.default_rng(7), cell, 5, 3, 9, 0.4)
     b_hn = np.stack([p["b_hn"] if cell == "gru" else np.zeros(9, np.float32) for p in problems])
     lengths = np.array([5, 0, 2], np.int32)
 
@@ -234,21 +238,11 @@ def test_calls_inside_loops_and_cond():
     assert oracle.rel_error(ys[:4], ref_ys[:4]) < 2e-5
 
     # Three ReLU layers of one nnz, scanned: each layer's outputs are the next one's xp.
-    problems = [oracle.random_problem(rng, "rnn", 7, 3, 13, 0.3, jnp.dtype("float32"))
-                for _ in range(3)]
-    nnz = min(int(q["mask"].sum()) for q in problems)
-    for q in problems:
-        q["mask"].flat[np.flatnonzero(q["mask"])[nnz:]] = False
-        q["kernel"] = np.where(q["mask"], q["kernel"], 0).astype(np.float32)
-    stacked = jax.tree.map(lambda *a: jnp.stack(a),
-                           *(sp.SparseWeights.from_dense(q["kernel"], q["mask"]) for q in problems))
+    problems, _, stacked = _stackable_problems(rng, "rnn", 7, 3, 13, 0.3)
     h0 = problems[0]["carry"][0]
-
-    def layer(seq, w_layer):
-        ys, h_t = sp.rnn(seq, h0, w_layer, activation="relu")
-        return ys, h_t
-
-    top, finals = jax.jit(lambda: jax.lax.scan(layer, problems[0]["xp"], stacked))()
+    top, finals = jax.jit(lambda: jax.lax.scan(
+        lambda seq, w_layer: sp.rnn(seq, h0, w_layer, activation="relu"),
+        problems[0]["xp"], stacked))()
     seq = problems[0]["xp"]
     for i, q in enumerate(problems):
         seq, ref_h = oracle.run("rnn", seq, (h0,), q["kernel"], activation="relu")

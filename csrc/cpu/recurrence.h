@@ -317,6 +317,8 @@ struct RowKernels {
   decltype(&row_bwd_base<0>) bwd;
   Isa isa = Isa::kBase;
   RowsFn<uint16_t> rows16 = nullptr;
+  // Whether to widen float16 weights with F16C (float_convert.h): every AVX2 CPU has it.
+  bool f16c() const { return isa == Isa::kAvx2; }
 };
 
 template <int kB>
@@ -625,7 +627,6 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   constexpr bool kF32 = std::is_same_v<S, float>;
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B;
   const RowKernels kern = row_kernels(B);
-  const bool f16c = kern.isa == Isa::kAvx2;  // every AVX2 CPU has F16C
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
   const int want = plan0.steps > 0 ? choose_threads(d.nnz * B, H) : 1;
   if (want > 1) HelperPool::instance().prewake();  // they wake while we set up
@@ -658,11 +659,11 @@ void run_forward(const Dims& d, const Io<S>& io, bool reverse) {
   // thread packs the rest of its own range (alone: everything else) before the first barrier,
   // so ahead of any SoloSwitch takeover.
   const int64_t k_early = want > 1 ? rp[split_units(rp, G, H, want)[1] * G] : 0;
-  auto pack_early = [&] { nz.pack(io.values, io.col_idx, 0, k_early, B, f16c); };
+  auto pack_early = [&] { nz.pack(io.values, io.col_idx, 0, k_early, B, kern.f16c()); };
   run_team(want, [&](int tid, int nthreads, SpinBarrier& barrier) {
     Rebalancer split(rp, G, H, nthreads, window_ns.data());
     int64_t u0 = split.begin(tid), u1 = split.end(tid), n = u1 - u0;
-    nz.pack(io.values, io.col_idx, tid == 0 ? k_early : rp[u0 * G], rp[u1 * G], B, f16c);
+    nz.pack(io.values, io.col_idx, tid == 0 ? k_early : rp[u0 * G], rp[u1 * G], B, kern.f16c());
     bool alone = nthreads == 1;
     int64_t worked = 0, waited = 0, t0 = alone ? 0 : SoloSwitch::now_ns();
     detail::StepPlan plan = plan0;
@@ -760,7 +761,6 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
   const int64_t T = d.T, B = d.B, H = d.H, GH = G * H, HB = H * B, nnz = d.nnz;
   const int64_t per_group = B / groups;
   const RowKernels kern = row_kernels(B);
-  const bool f16c = kern.isa == Isa::kAvx2;  // every AVX2 CPU has F16C
   const detail::StepPlan plan0(io.lengths, B, T, reverse);
   NzBuffers nz(nnz, false);
   const int32_t* rp = io.row_ptr;
@@ -792,7 +792,7 @@ void run_backward(const Dims& d, const Io<S>& io, bool reverse, int64_t groups) 
     const std::vector<int64_t> split = split_units(rp, G, H, nthreads);
     const int64_t u0 = split[tid], u1 = split[tid + 1];
     const int64_t i0 = u0 * B, i1 = u1 * B, n = i1 - i0;
-    nz.pack(io.values, io.col_idx, rp[u0 * G], rp[u1 * G], B, f16c);  // these units' rows
+    nz.pack(io.values, io.col_idx, rp[u0 * G], rp[u1 * G], B, kern.f16c());  // these units' rows
     float* acc = dh_acc[tid].data();
     detail::StepPlan plan = plan0;
     for (int64_t s = plan.steps - 1; s >= 0; --s) {
