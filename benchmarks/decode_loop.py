@@ -5,7 +5,8 @@ one call over all N steps. us per step, medians of interleaved rounds.
     python benchmarks/decode_loop.py [--steps 256] [--batch 4] [--rounds 5] [--out DIR]
 
 Ours runs in five forms: the default (since session 81 a one-step call is one launch of the
-per-step kernel, with no sync); the persistent kernel (variant "lamport", the default before,
+per-step kernel, with no sync; since session 82 through a target XLA may record in a command
+buffer, which it does for the whole loop where XLA_FLAGS enables WHILE command buffers); the persistent kernel (variant "lamport", the default before,
 chosen when the call is lowered) with the per-call sync check that turns a timed-out wait into
 an error and without it (SPRNN_CUDA_SYNC_CHECK=0, read at each call); the per-step kernel as
 variant "step_loop" (workspace, init and final kernels, the sync check); and the pure-JAX
@@ -85,10 +86,13 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None,
-                    help="also write the rows as JSON to DIR/decode_loop_b<batch>.json")
+                    help="also write the rows as JSON to DIR/decode_loop_b<batch>[_label].json")
+    ap.add_argument("--label", default="",
+                    help="a name for this run's settings (e.g. XLA_FLAGS), in the JSON's name")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; B={args.batch}, {args.steps} steps, "
-          f"medians of {args.rounds} rounds, us per step", flush=True)
+          f"medians of {args.rounds} rounds, us per step; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     rows = []
     for cell, act, H, density, dtype in LAYERS:
         kernel, mask, xp, h0 = problem(cell, H, args.batch, args.steps, density, dtype)
@@ -123,7 +127,8 @@ def main():
             rows.append(dict(layer=label, form=name, us_per_step=us, max_diff_vs_one_call=err))
             print(f"{label:28s} {name:34s} {us:8.2f}   max |ys - one call| {err:.1e}", flush=True)
     if args.out:
-        with open(os.path.join(args.out, f"decode_loop_b{args.batch}.json"), "w") as fh:
+        name = f"decode_loop_b{args.batch}" + (f"_{args.label}" if args.label else "")
+        with open(os.path.join(args.out, f"{name}.json"), "w") as fh:
             json.dump(rows, fh, indent=1)
 
 

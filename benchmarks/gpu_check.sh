@@ -12,14 +12,16 @@
 # bench: a smoke subset of the GPU tests, then the same benchmark.
 # batch: the batch sweep, then the large-batch-tile kernel tests.
 # profile: ncu --set full of one call of variants 3 and 5 (details + per-SASS-line stalls).
-# verify: the GPU kernel tests (TEST_WORKERS=14 pytest-xdist workers), then bench_gpu.py
+# verify: the GPU kernel tests and the command-buffer test (TEST_WORKERS=14 pytest-xdist
+#   workers), then bench_gpu.py
 #   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
 #   cut by TEST_TIMEOUT (default 470 s). The whole file needs 430-500 s, about what a 600-s call
 #   leaves after the build (90-140 s, sessions 46-47): TEST_SHARD=1/2, then 2/2 in a second call.
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick", cut after
 #   BENCH_TIMEOUT (default 400) s; a benchmark cut by its limit ends its log with "CUT by".
-# decode: benchmarks/decode_loop.py at B=4 and B=1 (one-step calls in a jitted loop, as a model
-#   samples, against a dense step loop).
+# decode: benchmarks/decode_loop.py at B=4 and B=1 (DECODE_BATCHES; one-step calls in a jitted
+#   loop, as a model samples, against a dense step loop), then at B=4 with XLA's command
+#   buffers on for loops (COMMAND_BUFFER_FLAGS).
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
@@ -58,6 +60,9 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # The H200 needs only sm_90; the default 5-arch build is for wheels/CI (see BUILD_NOTES.md).
 export SPRNN_CUDA_ARCHS="${SPRNN_CUDA_ARCHS:-90}"
 PY=python3
+# XLA's default command buffer kinds plus loops and conditionals (decode mode).
+COMMAND_BUFFER_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,\
+WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
 {
   echo "date: $(date -Iseconds)"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   echo "commit: $SPRNN_COMMIT"
@@ -169,7 +174,8 @@ if [ "$MODE" = verify ]; then
   if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
   # no:benchmark: the image's pytest-benchmark warns once per xdist worker (it does not time here).
   (cd /tmp && SPRNN_TEST_SHARD="${TEST_SHARD:-}" timeout "$test_timeout" $PY -m pytest -q \
-     -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" > "$OUT/test_gpu.log" 2>&1)
+     -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" \
+     "$REPO/tests/test_gpu_command_buffers.py" > "$OUT/test_gpu.log" 2>&1)
   tests_rc=$?
   # A run cut by the timeout says so (pytest's own last line would be a row of dots).
   [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "$test_timeout" >> "$OUT/test_gpu.log"
@@ -198,9 +204,14 @@ if [ "$MODE" = trace ]; then  # the device timeline of chained calls (benchmarks
   run_bench trace_calls.py "${BENCH_TIMEOUT:-300}" trace.log 40 ${TRACE_ARGS:-}
 fi
 if [ "$MODE" = decode ]; then  # one-step calls in a jitted loop (benchmarks/decode_loop.py)
-  for b in 4 1; do
+  for b in ${DECODE_BATCHES:-4 1}; do
     run_bench decode_loop.py "${BENCH_TIMEOUT:-200}" "decode_loop_b$b.txt" 40 --batch "$b"
   done
+  # The same at B=4 with XLA's command buffers on for loops too (CUDA graphs of the whole loop;
+  # tests/test_gpu_command_buffers.py): our one-step target may be recorded with the rest.
+  (export XLA_FLAGS="$COMMAND_BUFFER_FLAGS"
+   run_bench decode_loop.py "${BENCH_TIMEOUT:-200}" decode_loop_b4_graphs.txt 40 --batch 4 \
+     --label graphs)
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
   REPO="$(pwd)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import jax
+from jaxlib import xla_client  # the traits' enum: jax.ffi passes traits on but does not name them
 
 
 _MISSING: dict[str, str] = {}  # extension -> why it is not there, for the error messages
@@ -27,10 +28,16 @@ def why_missing(module: str) -> str:
 _cpu = _load("_sprnn_cpu")
 _cuda = _load("_sprnn_cuda")
 
+# The CUDA one-step targets launch the same kernel at every call and never sync: XLA may
+# capture them in its command buffers (CUDA graphs) with the rest of a loop body.
+COMMAND_BUFFER_TARGETS = frozenset(_cuda.command_buffer_targets()) if _cuda else frozenset()
+
 for _module, _platform in ((_cpu, "cpu"), (_cuda, "CUDA")):
     if _module is not None:
         for _name, _capsule in _module.registrations().items():
-            jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+            _traits = ({"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
+                       if _name in COMMAND_BUFFER_TARGETS else {})
+            jax.ffi.register_ffi_target(_name, _capsule, platform=_platform, **_traits)
 
 CPU_TARGETS = frozenset(_cpu.registrations()) if _cpu is not None else frozenset()
 CUDA_TARGETS = frozenset(_cuda.registrations()) if _cuda is not None else frozenset()

@@ -274,7 +274,8 @@ def _export_for_cuda(steps=5):
 
     w = sp.SparseWeights.from_dense(np.eye(8, dtype=np.float16))
     f = jax.jit(lambda xp, h0: sp.rnn(xp, h0, w, activation="relu"))
-    checks = [export.DisabledSafetyCheck.custom_call("sprnn_rnn_fwd")]
+    checks = [export.DisabledSafetyCheck.custom_call(f"sprnn_rnn_{kind}")
+              for kind in ("fwd", "step")]
     with warnings.catch_warnings():
         warnings.simplefilter("error", cuda_lowering.SparseRNNPerformanceWarning)
         return export.export(f, disabled_checks=checks, platforms=("cuda",))(
@@ -312,3 +313,24 @@ def test_one_step_calls_do_not_warn_of_the_plan(monkeypatch):
     _export_for_cuda(steps=1)  # a performance warning is an error inside
     with pytest.raises(cuda_lowering.SparseRNNPerformanceWarning, match="a reason to warn"):
         _export_for_cuda(steps=2)
+
+
+@pytest.mark.parametrize("steps,variant,target", [
+    (1, None, "sprnn_rnn_step"), (2, None, "sprnn_rnn_fwd"), (1, "4", "sprnn_rnn_fwd"),
+    (1, "3", "sprnn_rnn_fwd")])
+def test_one_step_calls_lower_to_the_step_target(monkeypatch, steps, variant, target):
+    # Calls of one step with the default variant go to the target registered for XLA's command
+    # buffers, with no workspace result; every other call to the fwd target and its workspace.
+    if variant is not None:
+        monkeypatch.setenv("SPRNN_CUDA_VARIANT", variant)
+    text = _export_for_cuda(steps=steps).mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and f"@{target}(" in calls[0], calls
+    workspace = "xui8>" in calls[0].split("->")[-1]
+    assert workspace == (target == "sprnn_rnn_fwd"), calls[0]
+
+
+def test_step_targets_are_registered_for_command_buffers():
+    # What XLA reads to capture a call in a CUDA graph; the fwd targets sync and must not be.
+    assert _ffi.COMMAND_BUFFER_TARGETS == {f"sprnn_{c}_step" for c in GATES}
+    assert _ffi.COMMAND_BUFFER_TARGETS <= _ffi.CUDA_TARGETS

@@ -149,7 +149,8 @@ def test_kernel_matches_oracle(cell, dtype, variant):
 # 1 and reverse rotating over the cases).
 ONE_STEP_SHAPES = [(1, 1, 1, 1.0, "uniform"), (1, 4, 33, 0.0, "uniform"),
                    (1, 9, 517, 0.2, "skewed"), (1, 3, 300, 0.3, "empty_rows"),
-                   (1, 4, 1152, 0.1, "uniform"), (1, 5, 129, 1.0, "uniform")]
+                   (1, 4, 1152, 0.1, "uniform"), (1, 5, 129, 1.0, "uniform"),
+                   (1, 17, 70, 0.5, "skewed")]  # 17: three blocks of batch columns
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

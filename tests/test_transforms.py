@@ -212,8 +212,8 @@ def test_calls_inside_loops_and_cond():
     """What models do around a layer: a generation loop of one-step calls (fori_loop and a
     data-dependent while_loop), a stack of layers scanned over stacked weights, and a cond
     between directions, all under jit, against the float64 oracle. On a GPU XLA may place loop
-    bodies in command buffers (CUDA graphs), which our handlers are not: every iteration must
-    still run its own launch."""
+    bodies in command buffers (CUDA graphs), the one-step calls' target included
+    (test_gpu_command_buffers.py): every iteration must still compute its step."""
     rng, p, w = _setup("lstm", steps=7)
     xp, carry = p["xp"], p["carry"]
     ref_ys, ref_final = oracle.run("lstm", xp, carry, p["kernel"])

@@ -719,10 +719,26 @@ struct Bufs {
   const ffi::AnyBuffer* b_hn = nullptr;
 };
 
-ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Bufs& in,
-                   ffi::AnyBuffer* ys, ffi::AnyBuffer* hT, ffi::AnyBuffer* cT,
-                   ffi::AnyBuffer* cs, ffi::AnyBuffer* ws, bool reverse, int64_t activation,
-                   int64_t variant) {
+ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> workspace_of(const char* target,
+                                                       const ffi::RemainingRets& rest) {
+  auto ws = rest.empty() ? ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>>(
+                               ffi::Unexpected(ffi::Error::InvalidArgument("no workspace")))
+                         : rest.get<ffi::AnyBuffer>(0);
+  if (ws.has_error())
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(target) + " on CUDA needs the u8 workspace result that jax_sprnn's CUDA "
+        "lowering appends; call it through sp.rnn/lstm/gru (or the forward primitive), not a "
+        "bare jax.ffi.ffi_call"));
+  return ws;
+}
+
+// The FFI targets of a cell: "fwd" runs any call; "step" (kStep) runs only calls of one step
+// with the default variant, which launch the same kernel every time and never sync, so XLA may
+// capture them in its command buffers (CUDA graphs) with the rest of a sampling loop's body.
+ffi::Error forward(const char* target, bool kStep, cudaStream_t stream, Cell cell,
+                   const Bufs& in, ffi::AnyBuffer* ys, ffi::AnyBuffer* hT, ffi::AnyBuffer* cT,
+                   ffi::AnyBuffer* cs, const ffi::RemainingRets& rest, bool reverse,
+                   int64_t activation, int64_t variant) {
   const int G = gates_of(cell);
   const int dtype = dtype_code(in.xp.element_type());
   auto xd = in.xp.dimensions();
@@ -748,17 +764,22 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
                                        "(see docs/INTERFACE.md)");
   if (T > 0x3fffffffLL || B > 0x3fffffffLL || H > 0x3fffffffLL)
     return ffi::Error::InvalidArgument(std::string(target) + ": dimensions too large");
-  const long long ws_need = workspace_bytes(G, dtype, H, B);
-  if (static_cast<long long>(ws->size_bytes()) < ws_need)
+  if (kStep && (T != 1 || variant != -1))
+    return ffi::Error::InvalidArgument(std::string(target) + " runs calls of one step (T = 1) "
+                                       "with the default variant only; use " +
+                                       std::string(target, std::strlen(target) - 4) + "fwd");
+  ffi::AnyBuffer* ws = nullptr;
+  if (!kStep) {
+    auto w = workspace_of(target, rest);
+    if (w.has_error()) return w.error();
+    ws = &*w.value();
+  }
+  const long long ws_need = kStep ? 0 : workspace_bytes(G, dtype, H, B);
+  if (ws && static_cast<long long>(ws->size_bytes()) < ws_need)
     return ffi::Error::Internal(std::string(target) + ": workspace too small");
   if (B == 0 || H == 0) return ffi::Error::Success();
 
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
-    return cuda_error(target, "cudaGetDevice", e);
-  const DeviceInfo info = device_info(dev);
-
-  unsigned char* wsp = static_cast<unsigned char*>(ws->untyped_data());
+  unsigned char* wsp = ws ? static_cast<unsigned char*>(ws->untyped_data()) : nullptr;
   Params p{};
   p.xp = in.xp.untyped_data();
   p.lengths = static_cast<const int32_t*>(in.lengths.untyped_data());
@@ -772,14 +793,35 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   p.hT = hT->untyped_data();
   p.cT = cT ? cT->untyped_data() : nullptr;
   p.cs = cs ? cs->untyped_data() : nullptr;
-  p.abort_flag = reinterpret_cast<int*>(wsp);
-  p.counters = reinterpret_cast<unsigned int*>(wsp + kHeaderBytes);
-  p.xbuf = wsp + kHeaderBytes + counters_bytes(B);
+  if (wsp) {
+    p.abort_flag = reinterpret_cast<int*>(wsp);
+    p.counters = reinterpret_cast<unsigned int*>(wsp + kHeaderBytes);
+    p.xbuf = wsp + kHeaderBytes + counters_bytes(B);
+  }
   p.T = static_cast<int>(T);
   p.B = static_cast<int>(B);
   p.H = static_cast<int>(H);
   p.activation = static_cast<int>(activation);
   p.reverse = reverse ? 1 : 0;
+
+  // A call of one step (T = 1, the default variant), e.g. one iteration of a sampling loop:
+  // the persistent kernel's prologue, workspace memset and per-call sync would cost several
+  // times the step (a jitted loop of one-step calls: 42-66 us per step against 15-50 for a
+  // dense step; benchmarks/decode_loop.py, benchmarks/NOTES.md session 81). One launch of the
+  // per-step kernel instead: it has no wait to bound and raises no flag, so no sync either.
+  // (The fwd target comes here too where the lowering did not know T, e.g. a symbolic export.)
+  if (T == 1 && variant == -1) {
+    if (cudaError_t e = run_steps(cell, dtype, p, nullptr, nullptr, stream, true);
+        e != cudaSuccess)
+      return cuda_error(target, "one-step launch", e);
+    g_one_step_calls.fetch_add(1);
+    return ffi::Error::Success();
+  }
+
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
+    return cuda_error(target, "cudaGetDevice", e);
+  const DeviceInfo info = device_info(dev);
   // Not below 0: the wait compares as unsigned, so a negative bound would be no bound. Not
   // above an hour, so that the product cannot overflow into a negative one either.
   p.timeout_ns =
@@ -788,19 +830,6 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
   // Gather only the h units a block's rows read (persistent_kernel.cuh); 0 = every unit.
   p.col_filter = env_int("SPRNN_CUDA_COL_FILTER", 1) != 0 ? 1 : 0;
   p.row_lanes = row_lanes_knob();
-
-  // A call of one step (T = 1, the default variant), e.g. one iteration of a sampling loop:
-  // the persistent kernel's prologue, workspace memset and per-call sync would cost several
-  // times the step (a jitted loop of one-step calls: 42-66 us per step against 15-50 for a
-  // dense step; benchmarks/decode_loop.py, benchmarks/NOTES.md session 81). One launch of the
-  // per-step kernel instead: it has no wait to bound and raises no flag, so no sync either.
-  if (T == 1 && variant == -1) {
-    if (cudaError_t e = run_steps(cell, dtype, p, nullptr, nullptr, stream, true);
-        e != cudaSuccess)
-      return cuda_error(target, "one-step launch", e);
-    g_one_step_calls.fetch_add(1);
-    return ffi::Error::Success();
-  }
 
   // Run the plan; one rerun without the tensor-core rows where they stop (flags 4 and 5).
   Plan pl = make_plan(G, dtype, H, B, nnz, static_cast<int>(variant), info, activation != 0);
@@ -911,34 +940,32 @@ ffi::Error forward(const char* target, cudaStream_t stream, Cell cell, const Buf
 
 // The workspace is the extra result the CUDA lowering appends (docs/INTERFACE.md). A direct
 // jax.ffi.ffi_call without it gets a clear error instead of undefined behaviour.
-ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> workspace_of(const char* target,
-                                                       const ffi::RemainingRets& rest) {
-  // get() bounds-checks only with assert(), compiled out in release builds: check the count.
-  auto ws = rest.empty() ? ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>>(
-                               ffi::Unexpected(ffi::Error::InvalidArgument("no workspace")))
-                         : rest.get<ffi::AnyBuffer>(0);
-  if (ws.has_error())
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string(target) + " on CUDA needs the u8 workspace result that jax_sprnn's CUDA "
-        "lowering appends; call it through sp.rnn/lstm/gru (or the forward primitive), not a "
-        "bare jax.ffi.ffi_call"));
-  return ws;
+// The target's name: sprnn_<cell>_fwd, or sprnn_<cell>_step for the one-step target.
+template <bool kStep>
+const char* target_name(Cell cell) {
+  switch (cell) {
+    case Cell::kLstm: return kStep ? "sprnn_lstm_step" : "sprnn_lstm_fwd";
+    case Cell::kGru: return kStep ? "sprnn_gru_step" : "sprnn_gru_fwd";
+    default: return kStep ? "sprnn_rnn_step" : "sprnn_rnn_fwd";
+  }
 }
 
+template <bool kStep>
 ffi::Error rnn_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
                    ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
                    ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> ys,
                    ffi::Result<ffi::AnyBuffer> hT, ffi::RemainingRets rest, bool reverse,
                    int64_t activation, int64_t variant) {
+  const char* target = target_name<kStep>(Cell::kRnnTanh);
   if (activation != 0 && activation != 1)
-    return ffi::Error::InvalidArgument("sprnn_rnn_fwd: activation must be 0 (tanh) or 1 (relu)");
+    return ffi::Error::InvalidArgument(std::string(target) +
+                                       ": activation must be 0 (tanh) or 1 (relu)");
   Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
-  auto ws = workspace_of("sprnn_rnn_fwd", rest);
-  if (ws.has_error()) return ws.error();
-  return forward("sprnn_rnn_fwd", stream, Cell::kRnnTanh, in, &*ys, &*hT, nullptr, nullptr, &*ws.value(),
+  return forward(target, kStep, stream, Cell::kRnnTanh, in, &*ys, &*hT, nullptr, nullptr, rest,
                  reverse, activation, variant);
 }
 
+template <bool kStep>
 ffi::Error lstm_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
                     ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
                     ffi::AnyBuffer c0, ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> ys,
@@ -947,12 +974,11 @@ ffi::Error lstm_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengt
                     int64_t variant) {
   Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
   in.c0 = &c0;
-  auto ws = workspace_of("sprnn_lstm_fwd", rest);
-  if (ws.has_error()) return ws.error();
-  return forward("sprnn_lstm_fwd", stream, Cell::kLstm, in, &*ys, &*hT, &*cT, &*cs, &*ws.value(), reverse,
-                 0, variant);
+  return forward(target_name<kStep>(Cell::kLstm), kStep, stream, Cell::kLstm, in, &*ys, &*hT,
+                 &*cT, &*cs, rest, reverse, 0, variant);
 }
 
+template <bool kStep>
 ffi::Error gru_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer lengths,
                    ffi::AnyBuffer values, ffi::AnyBuffer col_idx, ffi::AnyBuffer row_ptr,
                    ffi::AnyBuffer h0, ffi::AnyBuffer b_hn, ffi::Result<ffi::AnyBuffer> ys,
@@ -960,10 +986,8 @@ ffi::Error gru_fwd(cudaStream_t stream, ffi::AnyBuffer xp, ffi::AnyBuffer length
                    int64_t variant) {
   Bufs in{xp, lengths, values, col_idx, row_ptr, h0};
   in.b_hn = &b_hn;
-  auto ws = workspace_of("sprnn_gru_fwd", rest);
-  if (ws.has_error()) return ws.error();
-  return forward("sprnn_gru_fwd", stream, Cell::kGru, in, &*ys, &*hT, nullptr, nullptr, &*ws.value(),
-                 reverse, 0, variant);
+  return forward(target_name<kStep>(Cell::kGru), kStep, stream, Cell::kGru, in, &*ys, &*hT,
+                 nullptr, nullptr, rest, reverse, 0, variant);
 }
 
 }  // namespace
@@ -980,39 +1004,57 @@ inline auto bind_prefix() {
       .Arg<ffi::AnyBuffer>();
 }
 
+// Each cell's operands, results and attributes; its fwd and step targets share them.
+inline auto rnn_binding() {
+  return bind_prefix()
+      .Arg<ffi::AnyBuffer>()  // h0
+      .Ret<ffi::AnyBuffer>()  // ys
+      .Ret<ffi::AnyBuffer>()  // hT
+      .RemainingRets()        // workspace (fwd only)
+      .Attr<bool>("reverse")
+      .Attr<int64_t>("activation")
+      .Attr<int64_t>("variant");
+}
+
+inline auto lstm_binding() {
+  return bind_prefix()
+      .Arg<ffi::AnyBuffer>()  // c0
+      .Arg<ffi::AnyBuffer>()  // h0
+      .Ret<ffi::AnyBuffer>()  // ys
+      .Ret<ffi::AnyBuffer>()  // cT
+      .Ret<ffi::AnyBuffer>()  // hT
+      .Ret<ffi::AnyBuffer>()  // cs
+      .RemainingRets()        // workspace (fwd only)
+      .Attr<bool>("reverse")
+      .Attr<int64_t>("variant");
+}
+
+inline auto gru_binding() {
+  return bind_prefix()
+      .Arg<ffi::AnyBuffer>()  // h0
+      .Arg<ffi::AnyBuffer>()  // b_hn
+      .Ret<ffi::AnyBuffer>()  // ys
+      .Ret<ffi::AnyBuffer>()  // hT
+      .RemainingRets()        // workspace (fwd only)
+      .Attr<bool>("reverse")
+      .Attr<int64_t>("variant");
+}
+
 }  // namespace sprnn::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnRnnFwdCuda, sprnn::cuda::rnn_fwd,
-                              sprnn::cuda::bind_prefix()
-                                  .Arg<ffi::AnyBuffer>()  // h0
-                                  .Ret<ffi::AnyBuffer>()  // ys
-                                  .Ret<ffi::AnyBuffer>()  // hT
-                                  .RemainingRets()        // workspace
-                                  .Attr<bool>("reverse")
-                                  .Attr<int64_t>("activation")
-                                  .Attr<int64_t>("variant"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnLstmFwdCuda, sprnn::cuda::lstm_fwd,
-                              sprnn::cuda::bind_prefix()
-                                  .Arg<ffi::AnyBuffer>()  // c0
-                                  .Arg<ffi::AnyBuffer>()  // h0
-                                  .Ret<ffi::AnyBuffer>()  // ys
-                                  .Ret<ffi::AnyBuffer>()  // cT
-                                  .Ret<ffi::AnyBuffer>()  // hT
-                                  .Ret<ffi::AnyBuffer>()  // cs
-                                  .RemainingRets()        // workspace
-                                  .Attr<bool>("reverse")
-                                  .Attr<int64_t>("variant"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnGruFwdCuda, sprnn::cuda::gru_fwd,
-                              sprnn::cuda::bind_prefix()
-                                  .Arg<ffi::AnyBuffer>()  // h0
-                                  .Arg<ffi::AnyBuffer>()  // b_hn
-                                  .Ret<ffi::AnyBuffer>()  // ys
-                                  .Ret<ffi::AnyBuffer>()  // hT
-                                  .RemainingRets()        // workspace
-                                  .Attr<bool>("reverse")
-                                  .Attr<int64_t>("variant"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnRnnFwdCuda, sprnn::cuda::rnn_fwd<false>,
+                              sprnn::cuda::rnn_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnLstmFwdCuda, sprnn::cuda::lstm_fwd<false>,
+                              sprnn::cuda::lstm_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnGruFwdCuda, sprnn::cuda::gru_fwd<false>,
+                              sprnn::cuda::gru_binding());
+// The one-step targets, marked for XLA's command buffers (_ffi.py registers them so too).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnRnnStepCuda, sprnn::cuda::rnn_fwd<true>,
+                              sprnn::cuda::rnn_binding(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnLstmStepCuda, sprnn::cuda::lstm_fwd<true>,
+                              sprnn::cuda::lstm_binding(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SprnnGruStepCuda, sprnn::cuda::gru_fwd<true>,
+                              sprnn::cuda::gru_binding(), {ffi::Traits::kCmdBufferCompatible});
 
 namespace {
 
@@ -1074,8 +1116,17 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
     d["sprnn_rnn_fwd"] = encapsulate(SprnnRnnFwdCuda);
     d["sprnn_lstm_fwd"] = encapsulate(SprnnLstmFwdCuda);
     d["sprnn_gru_fwd"] = encapsulate(SprnnGruFwdCuda);
+    d["sprnn_rnn_step"] = encapsulate(SprnnRnnStepCuda);
+    d["sprnn_lstm_step"] = encapsulate(SprnnLstmStepCuda);
+    d["sprnn_gru_step"] = encapsulate(SprnnGruStepCuda);
     return d;
   });
+  m.def("command_buffer_targets", []() {
+    py::list names;
+    for (const char* name : {"sprnn_rnn_step", "sprnn_lstm_step", "sprnn_gru_step"})
+      names.append(name);
+    return names;
+  }, "Targets XLA may capture in its command buffers (CUDA graphs).");
   m.def("workspace_bytes", [](int gates, int dtype, long long H, long long B) {
     return sprnn::cuda::workspace_bytes(gates, dtype, H, B);
   }, py::arg("gates"), py::arg("dtype"), py::arg("hidden"), py::arg("batch"));

@@ -91,18 +91,18 @@ template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
                       bool one_step) {
   const long long n = static_cast<long long>(p.B) * p.H;
-  const long long warps = n;
-  const long long blocks = (warps * 32 + 255) / 256;
+  const long long blocks = step_blocks<C>(p);
+  constexpr int threads = step_threads<C>();
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   if (one_step) {  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    step_fwd<C, D, true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, 0, nullptr, nullptr);
+    step_fwd<C, D, true><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, 0, nullptr, nullptr);
     return cudaGetLastError();
   }
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   for (int s = 0; s < p.T; ++s) {
-    step_fwd<C, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s, hbuf, cbuf);
+    step_fwd<C, D><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, s, hbuf, cbuf);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);

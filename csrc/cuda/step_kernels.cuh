@@ -10,7 +10,8 @@ namespace cuda {
 // ---- fallback: one non-persistent launch per step ------------------------------------------
 //
 // For layers whose h tile and state do not fit in shared memory, or GPUs that cannot run the
-// cooperative grid. One warp per (unit, b); h is double-buffered in float32 in the workspace.
+// cooperative grid. A warp per gate row and block of batch columns (below); h is
+// double-buffered in float32 in the workspace.
 // hbuf: 2 x B x H floats, cbuf: B x H floats (lstm), both initialised by step_init.
 template <Cell kCell, DType D>
 __global__ void step_init(Params p, float* hbuf, float* cbuf) {
@@ -24,6 +25,29 @@ __global__ void step_init(Params p, float* hbuf, float* cbuf) {
   }
 }
 
+// The per-step kernel's work split: a block takes kStepUnits units and up to kStepCols batch
+// columns, a warp per gate row of its units. Each warp reads its row's values and columns once
+// for all the columns, where a warp per (unit, column) read every row once per column: that
+// made a one-step call of LSTM H=4096 (6.7M nonzeros, B=4) slower than the persistent kernel
+// (benchmarks/NOTES.md, session 81). A warp per gate row, not per unit, keeps four times as
+// many rows in flight for LSTM layers.
+constexpr int kStepCols = 8;
+template <Cell kCell>
+constexpr int kStepUnits = gates_of(kCell) == 1 ? 8 : 2;  // 8 warps (6 for the GRU)
+
+template <Cell kCell>
+constexpr int step_threads() { return 32 * gates_of(kCell) * kStepUnits<kCell>; }
+
+template <Cell kCell>
+__host__ __device__ inline long long step_unit_chunks(const Params& p) {
+  return (p.H + kStepUnits<kCell> - 1) / kStepUnits<kCell>;
+}
+
+template <Cell kCell>
+__host__ __device__ inline long long step_blocks(const Params& p) {
+  return step_unit_chunks<kCell>(p) * ((p.B + kStepCols - 1) / kStepCols);
+}
+
 // kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
 // read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
 // workspace, no step_init / step_final and, having no wait, no sync check.
@@ -32,53 +56,76 @@ __global__ void step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
-  const int lane = threadIdx.x & 31;
-  const long long wid = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) >> 5;
+  constexpr int U = kStepUnits<kCell>;
+  __shared__ float sums[U][G][kStepCols];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int H = p.H, B = p.B;
-  if (wid >= static_cast<long long>(H) * B) return;
-  const int u = static_cast<int>(wid % H);
-  const int b = static_cast<int>(wid / H);
+  const long long chunks = step_unit_chunks<kCell>(p);
+  const int u0 = static_cast<int>(blockIdx.x % chunks) * U;
+  const int b0 = static_cast<int>(blockIdx.x / chunks) * kStepCols;
+  const int ncols = min(kStepCols, B - b0);
   const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
   float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
   auto h_at = [&](long long i) {
     if constexpr (kOneStep) return T::to_f(static_cast<const S*>(p.h0)[i]);
     else return hin[i];
   };
-  const int len = seq_len(p, b);
-  const long long bi = static_cast<long long>(b) * H + u;
-  const float hprev = h_at(bi);
-  if (s >= len) {
-    if (lane == 0) {
-      if constexpr (kOneStep) {  // a sequence of length 0 keeps its initial state, bit for bit
-        static_cast<S*>(p.hT)[bi] = static_cast<const S*>(p.h0)[bi];
-        if constexpr (kCell == Cell::kLstm)
-          static_cast<S*>(p.cT)[bi] = static_cast<const S*>(p.c0)[bi];
-      } else {
-        hout[bi] = hprev;
-      }
-      const long long o = (static_cast<long long>(s) * B + b) * H + u;
-      static_cast<S*>(p.ys)[o] = T::from_f(0.0f);
-      if constexpr (kCell == Cell::kLstm) static_cast<S*>(p.cs)[o] = T::from_f(0.0f);
-    }
-    return;
-  }
-  const S* vals = static_cast<const S*>(p.values);
-  float hw[G];
+  const bool running = s < max_seq_len(p, b0, b0 + ncols);  // any column of the block
+
+  // Rows: warp w sums gate w % G of unit u0 + w / G for every column. Per column, a lane's
+  // fmaf chain and the shuffle tree add in the same order as a warp per column did.
+  if (const int u = u0 + warp / G; running && u < H) {
+    float a[kStepCols];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const long long r = static_cast<long long>(u) * G + g;
+    for (int j = 0; j < kStepCols; ++j) a[j] = 0.0f;
+    const S* vals = static_cast<const S*>(p.values);
+    const long long r = static_cast<long long>(u) * G + warp % G;
     const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
-    float a = 0.0f;
     // Unrolled so that each lane has several column and h loads in flight: one at a time, a
     // long row waits a global round trip per nonzero (LSTM H=4096: ~13 per lane and gate).
 #pragma unroll 4
-    for (int k = k0 + lane; k < k1; k += 32)
-      a = fmaf(T::to_f(vals[k]), h_at(static_cast<long long>(b) * H + __ldg(p.col_idx + k)), a);
+    for (int k = k0 + lane; k < k1; k += 32) {
+      const float w = T::to_f(vals[k]);
+      const long long col = __ldg(p.col_idx + k);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-    hw[g] = a;
+      for (int j = 0; j < kStepCols; ++j)
+        if (j < ncols) a[j] = fmaf(w, h_at(static_cast<long long>(b0 + j) * H + col), a[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kStepCols; ++j) {
+      if (j < ncols) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
+        if (lane == 0) sums[warp / G][warp % G][j] = a[j];
+      }
+    }
   }
-  if (lane != 0) return;
+  __syncthreads();
+
+  // Updates: a thread per (unit, column).
+  if (threadIdx.x >= U * kStepCols) return;
+  const int j = threadIdx.x % kStepCols, u = u0 + threadIdx.x / kStepCols;
+  if (j >= ncols || u >= H) return;
+  const int b = b0 + j;
+  float hw[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) hw[g] = sums[u - u0][g][j];
+  const int len = seq_len(p, b);
+  const long long bi = static_cast<long long>(b) * H + u;
+  const float hprev = h_at(bi);
+  if (s >= len) {  // (its sums were not computed where no column of the block runs)
+    if constexpr (kOneStep) {  // a sequence of length 0 keeps its initial state, bit for bit
+      static_cast<S*>(p.hT)[bi] = static_cast<const S*>(p.h0)[bi];
+      if constexpr (kCell == Cell::kLstm)
+        static_cast<S*>(p.cT)[bi] = static_cast<const S*>(p.c0)[bi];
+    } else {
+      hout[bi] = hprev;
+    }
+    const long long o = (static_cast<long long>(s) * B + b) * H + u;
+    static_cast<S*>(p.ys)[o] = T::from_f(0.0f);
+    if constexpr (kCell == Cell::kLstm) static_cast<S*>(p.cs)[o] = T::from_f(0.0f);
+    return;
+  }
   const int t = step_time(s, len, p.reverse != 0);
   const S* xq = static_cast<const S*>(p.xp) + (static_cast<long long>(t) * B + b) * G * static_cast<long long>(H) + u;
   float x[G];

@@ -24,11 +24,14 @@ Variants (the ``variant`` attribute, see benchmarks/NOTES.md for their measured 
       warning) when the layer does not fit one cluster
 ====  =====================================================================================
 
-A call of one step (T = 1) with the default variant runs neither: one launch of variant 4's
-per-step kernel that reads h0 / c0 and writes hT / cT itself, with no workspace memset and no
-per-call sync (it has no wait to bound). In a jitted loop of one-step calls (sampling) the
-persistent kernel's launch, prologue and sync cost more than the step (benchmarks/decode_loop.py,
-benchmarks/NOTES.md session 81).
+A call of one step (T = 1) with the default variant runs neither: it lowers to the
+``sprnn_<cell>_step`` target, one launch of variant 4's per-step kernel that reads h0 / c0 and
+writes hT / cT itself, with no workspace and no per-call sync (it has no wait to bound). In a
+jitted loop of one-step calls (sampling) the persistent kernel's launch, prologue and sync cost
+more than the step (benchmarks/decode_loop.py, benchmarks/NOTES.md session 81). The step
+targets are registered as compatible with XLA's command buffers, so XLA may capture them in a
+CUDA graph with the rest of the loop body (with ``--xla_gpu_enable_command_buffer`` including
+WHILE, the whole loop; benchmarks/NOTES.md session 82).
 
 The kernel itself falls back to variant 4 when the layer's hidden state tile cannot be held in
 one block's shared memory or the GPU cannot launch a cooperative grid, and streams from L2 the
@@ -220,11 +223,13 @@ def forward_lowering(ctx, *operands, cell: str, reverse: bool, activation: int, 
                    f"jax_sprnn CUDA {cell} (H={hidden}, B={batch}, nnz={nnz}, "
                    f"{xp_aval.dtype}): {info['reason']}"
                    + ("" if info["persistent"] else "; running the per-step fallback kernel"))
-    ws_bytes = int(_ffi.cuda_module.workspace_bytes(gates, dtype_code, hidden, batch))
-    ws_aval = jcore.ShapedArray((ws_bytes,), np.uint8)
-    ctx2 = ctx.replace(avals_out=[*ctx.avals_out, ws_aval])
     attrs = dict(reverse=bool(reverse), variant=np.int64(variant))
     if cell == "rnn":
         attrs["activation"] = np.int64(activation)
+    if one_step:  # the target XLA may put in a command buffer; it needs no workspace
+        return jax.ffi.ffi_lowering(f"sprnn_{cell}_step")(ctx, *operands, **attrs)
+    ws_bytes = int(_ffi.cuda_module.workspace_bytes(gates, dtype_code, hidden, batch))
+    ws_aval = jcore.ShapedArray((ws_bytes,), np.uint8)
+    ctx2 = ctx.replace(avals_out=[*ctx.avals_out, ws_aval])
     results = jax.ffi.ffi_lowering(f"sprnn_{cell}_fwd")(ctx2, *operands, **attrs)
     return results[:-1]
