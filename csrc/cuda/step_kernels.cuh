@@ -51,10 +51,11 @@ __host__ __device__ inline long long step_blocks(const Params& p) {
 // kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
 // read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
 // workspace, no step_init / step_final and, having no wait, no sync check.
-// (At most 48 registers, so that 5 blocks fit an SM: the rows wait on global loads, and a
-// warp's 8 column sums took 66 registers and 3 blocks per SM; no spills at 48, sm_90.)
+// (At least 36 warps per SM: the rows wait on global loads, and a warp's 8 column sums took
+// 66 registers, 3 blocks of 8 warps per SM. sm_90: 48 registers and no spills for 5 blocks of
+// 8 warps; the GRU's 6 blocks of 6 warps, 56 registers, spill one 4-byte value.)
 template <Cell kCell, DType D, bool kOneStep = false>
-__global__ void __launch_bounds__(step_threads<kCell>(), 5)
+__global__ void __launch_bounds__(step_threads<kCell>(), gates_of(kCell) == 3 ? 6 : 5)
     step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   using T = Tr<D>;
   using S = typename T::S;
