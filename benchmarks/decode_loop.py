@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None,
                     help="also write the rows as JSON to DIR/decode_loop_b<batch>[_label].json")
+    ap.add_argument("--layers", default=None,
+                    help="comma-separated indices into LAYERS to run (default: all)")
     ap.add_argument("--label", default="",
                     help="a name for this run's settings (e.g. XLA_FLAGS), in the JSON's name")
     args = ap.parse_args()
@@ -94,7 +96,9 @@ def main():
           f"medians of {args.rounds} rounds, us per step; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     rows = []
-    for cell, act, H, density, dtype in LAYERS:
+    picked = (LAYERS if args.layers is None
+              else [LAYERS[int(i)] for i in args.layers.split(",")])
+    for cell, act, H, density, dtype in picked:
         kernel, mask, xp, h0 = problem(cell, H, args.batch, args.steps, density, dtype)
         carry = initial_carry(cell, h0)
         w = sp.SparseWeights.from_dense(kernel, mask)
