@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <mutex>
 #include <string>
@@ -719,8 +720,11 @@ struct Bufs {
   const ffi::AnyBuffer* b_hn = nullptr;
 };
 
+// The workspace is the extra result the CUDA lowering appends (docs/INTERFACE.md). A direct
+// jax.ffi.ffi_call without it gets a clear error instead of undefined behaviour.
 ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> workspace_of(const char* target,
                                                        const ffi::RemainingRets& rest) {
+  // get() bounds-checks only with assert(), compiled out in release builds: check the count.
   auto ws = rest.empty() ? ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>>(
                                ffi::Unexpected(ffi::Error::InvalidArgument("no workspace")))
                          : rest.get<ffi::AnyBuffer>(0);
@@ -938,8 +942,6 @@ ffi::Error forward(const char* target, bool kStep, cudaStream_t stream, Cell cel
   }
 }
 
-// The workspace is the extra result the CUDA lowering appends (docs/INTERFACE.md). A direct
-// jax.ffi.ffi_call without it gets a clear error instead of undefined behaviour.
 // The target's name: sprnn_<cell>_fwd, or sprnn_<cell>_step for the one-step target.
 template <bool kStep>
 const char* target_name(Cell cell) {
