@@ -8,8 +8,9 @@ Ours runs in five forms: the default (since session 81 a one-step call is one la
 per-step kernel, with no sync; since session 82 through a target XLA may record in a command
 buffer, which it does for the whole loop where XLA_FLAGS enables WHILE command buffers: run
 with --label to name such settings); the persistent kernel (variant "lamport", the default
-before, chosen when the call is lowered) with the per-call sync check that turns a timed-out wait into
-an error and without it (SPRNN_CUDA_SYNC_CHECK=0, read at each call); the per-step kernel as
+before, chosen when the call is lowered) with the per-call sync check that turns a timed-out
+wait into an error and without it (SPRNN_CUDA_SYNC_CHECK=0, read at each call); the per-step
+kernel as
 variant "step_loop" (workspace, init and final kernels, the sync check); and the pure-JAX
 reference (`implementation="reference"`: a dense step from the weights' dense form).
 """
