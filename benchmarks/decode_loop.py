@@ -10,9 +10,8 @@ buffer, which it does for the whole loop where XLA_FLAGS enables WHILE command b
 with --label to name such settings); the persistent kernel (variant "lamport", the default
 before, chosen when the call is lowered) with the per-call sync check that turns a timed-out
 wait into an error and without it (SPRNN_CUDA_SYNC_CHECK=0, read at each call); the per-step
-kernel as
-variant "step_loop" (workspace, init and final kernels, the sync check); and the pure-JAX
-reference (`implementation="reference"`: a dense step from the weights' dense form).
+kernel as variant "step_loop" (workspace, init and final kernels, the sync check); and the
+pure-JAX reference (`implementation="reference"`: a dense step from the weights' dense form).
 """
 
 from __future__ import annotations
