@@ -25,11 +25,13 @@ STEPS = 9
 
 def layer(cell, p, w):
     """The public call of cell over p's inputs: (xp, carry) -> (ys, carry)."""
-    if cell == "lstm":
-        return lambda xp, carry: sp.lstm(xp, carry, w)
-    if cell == "gru":
-        return lambda xp, carry: (lambda y, h: (y, (h,)))(*sp.gru(xp, carry[0], w, p["b_hn"]))
-    return lambda xp, carry: (lambda y, h: (y, (h,)))(*sp.rnn(xp, carry[0], w, "relu"))
+    def call(xp, carry):
+        if cell == "lstm":
+            return sp.lstm(xp, carry, w)
+        ys, h = (sp.gru(xp, carry[0], w, p["b_hn"]) if cell == "gru"
+                 else sp.rnn(xp, carry[0], w, "relu"))
+        return ys, (h,)
+    return call
 
 
 def main():

@@ -736,10 +736,10 @@ ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> workspace_of(const char* target,
   return ws;
 }
 
-// The FFI targets of a cell: "fwd" runs any call; "step" (kStep) runs only calls of one step
-// with the default variant, which launch the same kernel every time and never sync, so XLA may
-// capture them in its command buffers (CUDA graphs) with the rest of a sampling loop's body.
-ffi::Error forward(const char* target, bool kStep, cudaStream_t stream, Cell cell,
+// The FFI targets of a cell: "fwd" runs any call; "step" (step_target) runs only calls of one
+// step with the default variant, which launch the same kernel every time and never sync, so XLA
+// may capture them in its command buffers (CUDA graphs) with the rest of a sampling loop's body.
+ffi::Error forward(const char* target, bool step_target, cudaStream_t stream, Cell cell,
                    const Bufs& in, ffi::AnyBuffer* ys, ffi::AnyBuffer* hT, ffi::AnyBuffer* cT,
                    ffi::AnyBuffer* cs, const ffi::RemainingRets& rest, bool reverse,
                    int64_t activation, int64_t variant) {
@@ -768,22 +768,23 @@ ffi::Error forward(const char* target, bool kStep, cudaStream_t stream, Cell cel
                                        "(see docs/INTERFACE.md)");
   if (T > 0x3fffffffLL || B > 0x3fffffffLL || H > 0x3fffffffLL)
     return ffi::Error::InvalidArgument(std::string(target) + ": dimensions too large");
-  if (kStep && (T != 1 || variant != -1))
+  if (step_target && (T != 1 || variant != -1))
     return ffi::Error::InvalidArgument(std::string(target) + " runs calls of one step (T = 1) "
                                        "with the default variant only; use " +
                                        std::string(target, std::strlen(target) - 4) + "fwd");
+  // The fwd target's workspace (the step target's calls need none).
   ffi::AnyBuffer* ws = nullptr;
-  if (!kStep) {
+  long long ws_need = 0;
+  if (!step_target) {
     auto w = workspace_of(target, rest);
     if (w.has_error()) return w.error();
     ws = &*w.value();
+    ws_need = workspace_bytes(G, dtype, H, B);
+    if (static_cast<long long>(ws->size_bytes()) < ws_need)
+      return ffi::Error::Internal(std::string(target) + ": workspace too small");
   }
-  const long long ws_need = kStep ? 0 : workspace_bytes(G, dtype, H, B);
-  if (ws && static_cast<long long>(ws->size_bytes()) < ws_need)
-    return ffi::Error::Internal(std::string(target) + ": workspace too small");
   if (B == 0 || H == 0) return ffi::Error::Success();
 
-  unsigned char* wsp = ws ? static_cast<unsigned char*>(ws->untyped_data()) : nullptr;
   Params p{};
   p.xp = in.xp.untyped_data();
   p.lengths = static_cast<const int32_t*>(in.lengths.untyped_data());
@@ -797,11 +798,6 @@ ffi::Error forward(const char* target, bool kStep, cudaStream_t stream, Cell cel
   p.hT = hT->untyped_data();
   p.cT = cT ? cT->untyped_data() : nullptr;
   p.cs = cs ? cs->untyped_data() : nullptr;
-  if (wsp) {
-    p.abort_flag = reinterpret_cast<int*>(wsp);
-    p.counters = reinterpret_cast<unsigned int*>(wsp + kHeaderBytes);
-    p.xbuf = wsp + kHeaderBytes + counters_bytes(B);
-  }
   p.T = static_cast<int>(T);
   p.B = static_cast<int>(B);
   p.H = static_cast<int>(H);
@@ -822,6 +818,11 @@ ffi::Error forward(const char* target, bool kStep, cudaStream_t stream, Cell cel
     return ffi::Error::Success();
   }
 
+  // Only the fwd target gets here (the step target's calls all take the branch above).
+  unsigned char* wsp = static_cast<unsigned char*>(ws->untyped_data());
+  p.abort_flag = reinterpret_cast<int*>(wsp);
+  p.counters = reinterpret_cast<unsigned int*>(wsp + kHeaderBytes);
+  p.xbuf = wsp + kHeaderBytes + counters_bytes(B);
   int dev = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
     return cuda_error(target, "cudaGetDevice", e);
