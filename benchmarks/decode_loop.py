@@ -12,6 +12,8 @@ before, chosen when the call is lowered) with the per-call sync check that turns
 wait into an error and without it (SPRNN_CUDA_SYNC_CHECK=0, read at each call); the per-step
 kernel as variant "step_loop" (workspace, init and final kernels, the sync check); and the
 pure-JAX reference (`implementation="reference"`: a dense step from the weights' dense form).
+With --device-time each row also gives, per step, the device's busy time and our kernels' time
+from a profiler trace (device_time.py): what the loop's wall time spends beyond the step's work.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_gpu import dense_step, initial_carry, problem
+from device_time import device_times
 from knobs import knobs_set
 
 import jax_sprnn as sp
@@ -92,6 +95,8 @@ def main():
                     help="comma-separated indices into LAYERS to run (default: all)")
     ap.add_argument("--label", default="",
                     help="a name for this run's settings (e.g. XLA_FLAGS), in the JSON's name")
+    ap.add_argument("--device-time", action="store_true",
+                    help="add the device's busy time and our kernels' time per step (a trace)")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; B={args.batch}, {args.steps} steps, "
           f"medians of {args.rounds} rounds, us per step; "
@@ -129,8 +134,17 @@ def main():
                 ys = np.asarray(f(), np.float32)
             us = 1e6 * float(np.median(times[name])) / args.steps
             err = float(np.max(np.abs(ys - ref)))
-            rows.append(dict(layer=label, form=name, us_per_step=us, max_diff_vs_one_call=err))
-            print(f"{label:28s} {name:34s} {us:8.2f}   max |ys - one call| {err:.1e}", flush=True)
+            row = dict(layer=label, form=name, us_per_step=us, max_diff_vs_one_call=err)
+            line = f"{label:28s} {name:34s} {us:8.2f}   max |ys - one call| {err:.1e}"
+            if args.device_time:
+                with knobs_set(kn):
+                    dt = device_times(f, (), calls=2)
+                row.update(busy_us_per_step=dt["busy"] / args.steps,
+                           kernel_us_per_step=dt["kernel"] / args.steps)
+                line += (f"   busy {row['busy_us_per_step']:6.2f}"
+                         f"   kernel {row['kernel_us_per_step']:6.2f}")
+            rows.append(row)
+            print(line, flush=True)
     if args.out:
         name = f"decode_loop_b{args.batch}" + (f"_{args.label}" if args.label else "")
         with open(os.path.join(args.out, f"{name}.json"), "w") as fh:

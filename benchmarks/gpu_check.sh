@@ -21,7 +21,8 @@
 #   BENCH_TIMEOUT (default 400) s; a benchmark cut by its limit ends its log with "CUT by".
 # decode: benchmarks/decode_loop.py at B=4 and B=1 (DECODE_BATCHES; one-step calls in a jitted
 #   loop, as a model samples, against a dense step loop), then at B=4 with XLA's command
-#   buffers on for loops (COMMAND_BUFFER_FLAGS).
+#   buffers on for loops (COMMAND_BUFFER_FLAGS). DECODE_ARGS: more arguments for each run, e.g.
+#   "--layers 0,3 --device-time".
 # trace: benchmarks/trace_calls.py $TRACE_ARGS (the GPU timeline of chained calls: memset,
 #   kernel, gaps) for the two small target layers.
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
@@ -205,13 +206,14 @@ if [ "$MODE" = trace ]; then  # the device timeline of chained calls (benchmarks
 fi
 if [ "$MODE" = decode ]; then  # one-step calls in a jitted loop (benchmarks/decode_loop.py)
   for b in ${DECODE_BATCHES:-4 1}; do
-    run_bench decode_loop.py "${BENCH_TIMEOUT:-200}" "decode_loop_b$b.txt" 40 --batch "$b"
+    run_bench decode_loop.py "${BENCH_TIMEOUT:-200}" "decode_loop_b$b.txt" 40 --batch "$b" \
+      ${DECODE_ARGS:-}
   done
   # The same at B=4 with XLA's command buffers on for loops too (CUDA graphs of the whole loop;
   # tests/test_gpu_command_buffers.py): our one-step target may be recorded with the rest.
   (export XLA_FLAGS="$COMMAND_BUFFER_FLAGS"
    run_bench decode_loop.py "${BENCH_TIMEOUT:-200}" decode_loop_b4_graphs.txt 40 --batch 4 \
-     --label graphs)
+     --label graphs ${DECODE_ARGS:-})
 fi
 if [ "$MODE" = bench ]; then  # a smoke subset of the GPU tests before timing
   REPO="$(pwd)"
