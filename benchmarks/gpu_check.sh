@@ -5,7 +5,7 @@
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
-#                            func-attr|multi-gpu|trace|decode|all]
+#                            func-attr|step-kernel|multi-gpu|trace|decode|all]
 #                                                                       (default all)
 # build: the package only (then run what you need, e.g. pytest on chosen test files).
 # all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
@@ -39,6 +39,8 @@
 #   over its rows and of warps that start the rows together, session 71).
 # func-attr: benchmarks/func_attr_probe.cu (whether a kernel's raised shared-memory limit holds on
 #   a second GPU; needs two).
+# step-kernel: benchmarks/step_kernel_probe.cu (the per-step kernel's row loads on one-step calls:
+#   nonzeros per load, loads in flight, blocks per SM).
 # multi-gpu: tests/test_multi_gpu.py after the build (each GPU runs the persistent kernel; a
 #   batch sharded over all of them); needs two or more GPUs, e.g. the kind nvidia-h200-x2.
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
@@ -50,7 +52,7 @@ MODE="${1:-all}"
 # A mistyped mode would otherwise build and stop without a word.
 case "$MODE" in
   build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|probe-profile|exchange|\
-  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|multi-gpu|trace|decode|all) ;;
+  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|step-kernel|multi-gpu|trace|decode|all) ;;
   *) echo "unknown mode '$MODE'; see the usage at the top of $0" >&2; exit 2 ;;
 esac
 OUT="${OUT:-benchmarks/results/run}"
@@ -112,8 +114,10 @@ if [ "$MODE" = l1-gather ]; then  # benchmarks/l1_gather_probe.cu: weak loads af
   done
   exit 0
 fi
-if [ "$MODE" = mma-clock ] || [ "$MODE" = diag-mma ] || [ "$MODE" = func-attr ]; then
-  # probes without arguments: benchmarks/mma_clock_probe.cu, diag_mma_probe.cu, func_attr_probe.cu
+if [ "$MODE" = mma-clock ] || [ "$MODE" = diag-mma ] || [ "$MODE" = func-attr ] ||
+   [ "$MODE" = step-kernel ]; then
+  # probes without arguments: benchmarks/mma_clock_probe.cu, diag_mma_probe.cu,
+  # func_attr_probe.cu, step_kernel_probe.cu
   probe="${MODE//-/_}"
   "${PROBE_NVCC[@]}" "benchmarks/${probe}_probe.cu" -o "/tmp/${probe}_probe" || exit 1
   timeout 120 "/tmp/${probe}_probe" 2>&1 | tee -a "$OUT/$probe.txt"

@@ -35,6 +35,7 @@ PROBES = {
     "mma_clock_probe": ("mma_clock_probe", []),
     "diag_mma_probe": ("diag_mma_probe", []),
     "func_attr_probe": ("func_attr_probe", []),
+    "step_kernel_probe": ("step_kernel_probe", []),
 }
 
 

@@ -48,14 +48,56 @@ __host__ __device__ inline long long step_blocks(const Params& p) {
   return step_unit_chunks<kCell>(p) * ((p.B + kStepCols - 1) / kStepCols);
 }
 
+// How a lane reads its row: kVec consecutive nonzeros per load (one vector load of values and
+// one of columns where all kVec are in the row and the arrays aligned), kUnroll such loads
+// issued before the first gather. At LSTM H=4096 (about 410 nonzeros a row) a row is one round of
+// loads and one of gathers, where one nonzero per load, four in flight, took four rounds of each.
+// (Benchmarks/NOTES.md, session 83; the probe benchmarks/step_kernel_probe.cu.)
+constexpr int kStepVec = 4;  // a power of two
+constexpr int kStepUnroll = 4;
+template <Cell kCell>
+constexpr int kStepMinBlocks = gates_of(kCell) == 3 ? 6 : 5;
+
+// Lane's nonzeros k .. k + kVec - 1 of the row [k0, k1): values as float32 and columns, -1 for
+// those outside the row.
+template <DType D, int kVec>
+__device__ __forceinline__ void load_nonzeros(const typename Tr<D>::S* vals, const int32_t* cols,
+                                              bool aligned, int k, int k0, int k1,
+                                              float (&w)[kVec], int (&c)[kVec]) {
+  if (aligned && k >= k0 && k + kVec <= k1) {
+    float cf[kVec];
+    load_vals<D, kVec>(vals + k, w);
+    load_vals<DType::kF32, kVec>(reinterpret_cast<const float*>(cols + k), cf);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) c[v] = __float_as_int(cf[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const bool in = k + v >= k0 && k + v < k1;
+      w[v] = in ? Tr<D>::to_f(vals[k + v]) : 0.0f;
+      c[v] = in ? __ldg(cols + k + v) : -1;
+    }
+  }
+}
+
+// Whether both arrays allow load_nonzeros' vector loads at every multiple of kVec.
+template <DType D, int kVec>
+__device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t* cols) {
+  constexpr unsigned kValBytes = sizeof(typename Tr<D>::S) * kVec, kColBytes = 4 * kVec;
+  const auto at = [](const void* q) { return reinterpret_cast<unsigned long long>(q); };
+  return at(vals) % (kValBytes < 16 ? kValBytes : 16) == 0 &&
+         at(cols) % (kColBytes < 16 ? kColBytes : 16) == 0;
+}
+
 // kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
 // read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
 // workspace, no step_init / step_final and, having no wait, no sync check.
 // (At least 36 warps per SM: the rows wait on global loads, and a warp's 8 column sums took
 // 66 registers, 3 blocks of 8 warps per SM. sm_90: 48 registers and no spills for 5 blocks of
 // 8 warps; the GRU's 6 blocks of 6 warps, 56 registers, spill one 4-byte value.)
-template <Cell kCell, DType D, bool kOneStep = false>
-__global__ void __launch_bounds__(step_threads<kCell>(), gates_of(kCell) == 3 ? 6 : 5)
+template <Cell kCell, DType D, bool kOneStep = false, int kVec = kStepVec,
+          int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>>
+__global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
     step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   using T = Tr<D>;
   using S = typename T::S;
@@ -76,24 +118,32 @@ __global__ void __launch_bounds__(step_threads<kCell>(), gates_of(kCell) == 3 ? 
   };
   const bool running = s < max_seq_len(p, b0, b0 + ncols);  // any column of the block
 
-  // Rows: warp w sums gate w % G of unit u0 + w / G for every column. Per column, a lane's
-  // fmaf chain and the shuffle tree add in the same order as a warp per column did.
+  // Rows: warp w sums gate w % G of unit u0 + w / G for every column.
   if (const int u = u0 + warp / G; running && u < H) {
     float a[kStepCols];
 #pragma unroll
     for (int j = 0; j < kStepCols; ++j) a[j] = 0.0f;
     const S* vals = static_cast<const S*>(p.values);
+    const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
     const long long r = static_cast<long long>(u) * G + warp % G;
     const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
-    // Unrolled so that each lane has several column and h loads in flight: one at a time, a
-    // long row waits a global round trip per nonzero (LSTM H=4096: ~13 per lane and gate).
-#pragma unroll 4
-    for (int k = k0 + lane; k < k1; k += 32) {
-      const float w = T::to_f(vals[k]);
-      const long long col = __ldg(p.col_idx + k);
+    constexpr int kPass = 32 * kVec;
+    for (int k = (k0 & -kVec) + lane * kVec; k < k1; k += kPass * kUnroll) {
+      float w[kUnroll][kVec];
+      int c[kUnroll][kVec];
 #pragma unroll
-      for (int j = 0; j < kStepCols; ++j)
-        if (j < ncols) a[j] = fmaf(w, h_at(static_cast<long long>(b0 + j) * H + col), a[j]);
+      for (int q = 0; q < kUnroll; ++q)
+        load_nonzeros<D, kVec>(vals, p.col_idx, aligned, k + q * kPass, k0, k1, w[q], c[q]);
+#pragma unroll
+      for (int q = 0; q < kUnroll; ++q) {
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) {
+#pragma unroll
+          for (int j = 0; j < kStepCols; ++j)
+            if (j < ncols && c[q][v] >= 0)
+              a[j] = fmaf(w[q][v], h_at(static_cast<long long>(b0 + j) * H + c[q][v]), a[j]);
+        }
+      }
     }
 #pragma unroll
     for (int j = 0; j < kStepCols; ++j) {

@@ -1,0 +1,143 @@
+// The per-step kernel's row loads (step_kernels.cuh: kVec nonzeros per load, kUnroll loads in
+// flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
+// fp16, B = 4 and 1) without JAX: us per launch over back-to-back launches, medians of 5
+// rounds, and each setting's largest difference from the first (the old loads' shape).
+//
+//   benchmarks/gpu_check.sh step-kernel
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "cuda/step_kernels.cuh"
+#include "cuda_check.h"
+
+using sprnn::Cell;
+using sprnn::cuda::DType;
+using sprnn::cuda::Params;
+using Kernel = void (*)(Params, int, float*, float*);
+
+struct Setting {
+  const char* name;
+  Kernel kernel;
+};
+
+template <Cell C, int kVec, int kUnroll, int kMinBlocks>
+Setting setting(const char* name) {
+  return {name, &sprnn::cuda::step_fwd<C, DType::kF16, true, kVec, kUnroll, kMinBlocks>};
+}
+
+template <Cell C>
+std::vector<Setting> settings() {
+  constexpr int m = sprnn::cuda::kStepMinBlocks<C>;
+  return {setting<C, 1, 4, m>("vec 1 x4, min blocks 5 (session 82)"),
+          setting<C, 4, 1, m>("vec 4 x1, 5"),
+          setting<C, 4, 2, m>("vec 4 x2, 5"),
+          setting<C, 4, 2, 4>("vec 4 x2, 4"),
+          setting<C, 4, 4, 4>("vec 4 x4, 4"),
+          setting<C, 4, 4, 3>("vec 4 x4, 3"),
+          setting<C, 8, 1, m>("vec 8 x1, 5"),
+          setting<C, 8, 2, 4>("vec 8 x2, 4"),
+          setting<C, 8, 2, 3>("vec 8 x2, 3")};
+}
+
+uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }
+float from_f16(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+
+template <typename V>
+V* upload(const std::vector<V>& host) {
+  V* dev = nullptr;
+  CHECK(cudaMalloc(&dev, std::max<size_t>(1, host.size()) * sizeof(V)));
+  CHECK(cudaMemcpy(dev, host.data(), host.size() * sizeof(V), cudaMemcpyHostToDevice));
+  return dev;
+}
+
+template <Cell C>
+void run(const char* label, int H, int B, double density, std::mt19937& rng) {
+  constexpr int G = sprnn::gates_of(C);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::bernoulli_distribution keep(density);
+  std::vector<int32_t> row_ptr{0}, cols;
+  std::vector<uint16_t> vals;
+  for (long long r = 0; r < static_cast<long long>(G) * H; ++r) {
+    for (int c = 0; c < H; ++c) {
+      if (keep(rng)) {
+        cols.push_back(c);
+        vals.push_back(f16(uni(rng) / std::sqrt(density * H)));
+      }
+    }
+    row_ptr.push_back(static_cast<int32_t>(cols.size()));
+  }
+  auto randoms = [&](size_t n) {
+    std::vector<uint16_t> v(n);
+    for (auto& x : v) x = f16(uni(rng));
+    return v;
+  };
+  const size_t bh = static_cast<size_t>(B) * H;
+  Params p{};
+  p.xp = upload(randoms(bh * G));
+  p.lengths = upload(std::vector<int32_t>(B, 1));
+  p.values = upload(vals);
+  p.col_idx = upload(cols);
+  p.row_ptr = upload(row_ptr);
+  p.h0 = upload(randoms(bh));
+  p.c0 = upload(randoms(bh));
+  p.b_hn = upload(randoms(H));
+  for (void** out : {&p.ys, &p.hT, &p.cT, &p.cs}) {
+    CHECK(cudaMalloc(out, bh * 2));
+    CHECK(cudaMemset(*out, 0, bh * 2));
+  }
+  p.T = 1;
+  p.B = B;
+  p.H = H;
+  p.activation = 1;
+  const unsigned blocks = static_cast<unsigned>(sprnn::cuda::step_blocks<C>(p));
+  constexpr int threads = sprnn::cuda::step_threads<C>();
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> first;
+  for (const Setting& st : settings<C>()) {
+    constexpr int kLaunches = 200;
+    std::vector<float> rounds;
+    for (int round = 0; round < 6; ++round) {  // round 0 warms up
+      CHECK(cudaEventRecord(e0));
+      for (int i = 0; i < kLaunches; ++i) st.kernel<<<blocks, threads>>>(p, 0, nullptr, nullptr);
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (round > 0) rounds.push_back(1e3f * ms / kLaunches);
+    }
+    std::sort(rounds.begin(), rounds.end());
+    std::vector<uint16_t> out(2 * bh);
+    CHECK(cudaMemcpy(out.data(), p.hT, bh * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(out.data() + bh, p.cT, bh * 2, cudaMemcpyDeviceToHost));
+    std::vector<float> got(out.size());
+    std::transform(out.begin(), out.end(), got.begin(), from_f16);
+    if (first.empty()) first = got;
+    float diff = 0;
+    for (size_t i = 0; i < got.size(); ++i) diff = std::max(diff, std::abs(got[i] - first[i]));
+    std::printf("%-10s H=%-5d B=%d %-38s %8.2f us   max |diff| %.1e\n", label, H, B, st.name,
+                rounds[rounds.size() / 2], diff);
+  }
+  for (const void* q : {p.xp, static_cast<const void*>(p.lengths), p.values,
+                        static_cast<const void*>(p.col_idx), static_cast<const void*>(p.row_ptr),
+                        p.h0, p.c0, p.b_hn, static_cast<const void*>(p.ys), static_cast<const void*>(p.hT),
+                        static_cast<const void*>(p.cT), static_cast<const void*>(p.cs)})
+    CHECK(cudaFree(const_cast<void*>(q)));
+}
+
+int main() {
+  std::mt19937 rng(0);
+  for (int B : {4, 1}) {
+    run<Cell::kLstm>("lstm 10%", 1024, B, 0.1, rng);
+    run<Cell::kLstm>("lstm 10%", 4096, B, 0.1, rng);
+    run<Cell::kRnnRelu>("relu 10%", 1152, B, 0.1, rng);
+    run<Cell::kRnnRelu>("relu 10%", 5760, B, 0.1, rng);
+  }
+  return 0;
+}
