@@ -4,11 +4,15 @@
 // rounds, and each setting's largest difference from the first (the old loads' shape).
 //
 //   benchmarks/gpu_check.sh step-kernel
+//   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
+//                                                  CELL lstm or relu, SETTING an index below)
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <string>
+#include <cstdlib>
 #include <vector>
 
 #include "cuda/step_kernels.cuh"
@@ -53,6 +57,8 @@ V* upload(const std::vector<V>& host) {
   CHECK(cudaMemcpy(dev, host.data(), host.size() * sizeof(V), cudaMemcpyHostToDevice));
   return dev;
 }
+
+int g_launches = 200, g_only = -1;  // launches per round; the one setting to run (-1: all)
 
 template <Cell C>
 void run(const char* label, int H, int B, double density, std::mt19937& rng) {
@@ -99,8 +105,11 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   std::vector<float> first;
-  for (const Setting& st : settings<C>()) {
-    constexpr int kLaunches = 200;
+  const std::vector<Setting> all = settings<C>();
+  for (int si = 0; si < static_cast<int>(all.size()); ++si) {
+    if (g_only >= 0 && si != g_only) continue;
+    const Setting& st = all[si];
+    const int kLaunches = g_launches;
     std::vector<float> rounds;
     for (int round = 0; round < 6; ++round) {  // round 0 warms up
       CHECK(cudaEventRecord(e0));
@@ -131,8 +140,17 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     CHECK(cudaFree(const_cast<void*>(q)));
 }
 
-int main() {
+int main(int argc, char** argv) {
   std::mt19937 rng(0);
+  if (argc == 6) {
+    const std::string cell = argv[1];
+    const int H = std::atoi(argv[2]), B = std::atoi(argv[3]);
+    g_launches = std::atoi(argv[4]);
+    g_only = std::atoi(argv[5]);
+    if (cell == "lstm") run<Cell::kLstm>("lstm 10%", H, B, 0.1, rng);
+    else run<Cell::kRnnRelu>("relu 10%", H, B, 0.1, rng);
+    return 0;
+  }
   for (int B : {4, 1}) {
     run<Cell::kLstm>("lstm 10%", 1024, B, 0.1, rng);
     run<Cell::kLstm>("lstm 10%", 4096, B, 0.1, rng);
