@@ -28,23 +28,29 @@ struct Setting {
   Kernel kernel;
 };
 
-template <Cell C, int kVec, int kUnroll, int kMinBlocks>
-Setting setting(const char* name) {
-  return {name, &sprnn::cuda::step_fwd<C, DType::kF16, true, kVec, kUnroll, kMinBlocks>};
+// The setting's kernel for B columns (kCols = step_cols(B), as launch.cuh picks it; kCols 8
+// for every B is session 82's kernel).
+template <Cell C, int kVec, int kUnroll, int kMinBlocks, bool kEight = false>
+Setting setting(const char* name, int B) {
+  using sprnn::cuda::step_fwd;
+  constexpr DType D = DType::kF16;
+  const int cols = kEight ? 8 : sprnn::cuda::step_cols(B);
+  return {name, cols == 1   ? &step_fwd<C, D, true, 1, kVec, kUnroll, kMinBlocks>
+                : cols == 4 ? &step_fwd<C, D, true, 4, kVec, kUnroll, kMinBlocks>
+                            : &step_fwd<C, D, true, 8, kVec, kUnroll, kMinBlocks>};
 }
 
 template <Cell C>
-std::vector<Setting> settings() {
+std::vector<Setting> settings(int B) {
   constexpr int m = sprnn::cuda::kStepMinBlocks<C>;
-  return {setting<C, 1, 4, m>("vec 1 x4, min blocks 5 (session 82)"),
-          setting<C, 4, 1, m>("vec 4 x1, 5"),
-          setting<C, 4, 2, m>("vec 4 x2, 5"),
-          setting<C, 4, 2, 4>("vec 4 x2, 4"),
-          setting<C, 4, 4, 4>("vec 4 x4, 4"),
-          setting<C, 4, 4, 3>("vec 4 x4, 3"),
-          setting<C, 8, 1, m>("vec 8 x1, 5"),
-          setting<C, 8, 2, 4>("vec 8 x2, 4"),
-          setting<C, 8, 2, 3>("vec 8 x2, 3")};
+  return {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", B),
+          setting<C, 1, 4, m>("vec 1 x4, min blocks 5", B),
+          setting<C, 4, 1, m>("vec 4 x1, 5", B),
+          setting<C, 4, 2, m>("vec 4 x2, 5", B),
+          setting<C, 4, 2, 4>("vec 4 x2, 4", B),
+          setting<C, 4, 4, 4>("vec 4 x4, 4", B),
+          setting<C, 8, 1, m>("vec 8 x1, 5", B),
+          setting<C, 8, 2, 4>("vec 8 x2, 4", B)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }
@@ -100,12 +106,13 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
   p.H = H;
   p.activation = 1;
   const unsigned blocks = static_cast<unsigned>(sprnn::cuda::step_blocks<C>(p));
+  const unsigned blocks8 = static_cast<unsigned>(sprnn::cuda::step_unit_chunks<C>(p) * ((B + 7) / 8));
   constexpr int threads = sprnn::cuda::step_threads<C>();
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   std::vector<float> first;
-  const std::vector<Setting> all = settings<C>();
+  const std::vector<Setting> all = settings<C>(B);
   for (int si = 0; si < static_cast<int>(all.size()); ++si) {
     if (g_only >= 0 && si != g_only) continue;
     const Setting& st = all[si];
@@ -113,7 +120,8 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     std::vector<float> rounds;
     for (int round = 0; round < 6; ++round) {  // round 0 warms up
       CHECK(cudaEventRecord(e0));
-      for (int i = 0; i < kLaunches; ++i) st.kernel<<<blocks, threads>>>(p, 0, nullptr, nullptr);
+      for (int i = 0; i < kLaunches; ++i)
+        st.kernel<<<si == 0 ? blocks8 : blocks, threads>>>(p, 0, nullptr, nullptr);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));

@@ -150,7 +150,8 @@ def test_kernel_matches_oracle(cell, dtype, variant):
 ONE_STEP_SHAPES = [(1, 1, 1, 1.0, "uniform"), (1, 4, 33, 0.0, "uniform"),
                    (1, 9, 517, 0.2, "skewed"), (1, 3, 300, 0.3, "empty_rows"),
                    (1, 4, 1152, 0.1, "uniform"), (1, 5, 129, 1.0, "uniform"),
-                   (1, 17, 70, 0.5, "skewed")]  # 17: three blocks of batch columns
+                   (1, 17, 70, 0.5, "skewed"),  # 17: three blocks of batch columns
+                   (1, 2, 95, 0.4, "uniform")]  # 2: a block of 4 columns, two in use
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -65,10 +65,12 @@ def instantiations(cell):
         for bt in (1, 2, 4, 8, 16):  # the sm_90 cluster kernel compiles to a stub here
             names.append(f"sprnn::cuda::cluster_fwd<sprnn::Cell::{cell}, "
                          f"sprnn::cuda::DType::{dt}, {bt}>")
-        for k in ("step_init", "step_fwd", "step_final"):
+        for k in ("step_init", "step_final"):
             names.append(f"sprnn::cuda::{k}<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}>")
-        names.append(f"sprnn::cuda::step_fwd<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}, "
-                     "true>")  # a call of one step (T = 1) in one launch
+        # the per-step kernel for each column count (launch.cuh step_kernel), also as a call of
+        # one step (T = 1) in one launch
+        names += [f"sprnn::cuda::step_fwd<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}, "
+                  f"{one}, {cols}>" for one in ("false", "true") for cols in (1, 4, 8)]
     return names
 
 

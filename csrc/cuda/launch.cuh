@@ -87,6 +87,16 @@ KernelFn cluster_kernel(int bt) {
   }
 }
 
+// The per-step kernel with kCols = step_cols(B) columns per block.
+template <Cell C, DType D, bool kOneStep>
+auto step_kernel(int B) {
+  switch (step_cols(B)) {
+    case 1: return &step_fwd<C, D, kOneStep, 1>;
+    case 4: return &step_fwd<C, D, kOneStep, 4>;
+    default: return &step_fwd<C, D, kOneStep, 8>;
+  }
+}
+
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
                       bool one_step) {
@@ -95,14 +105,16 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
   constexpr int threads = step_threads<C>();
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   if (one_step) {  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    step_fwd<C, D, true><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, 0, nullptr, nullptr);
+    step_kernel<C, D, true>(p.B)<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        p, 0, nullptr, nullptr);
     return cudaGetLastError();
   }
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const auto step = step_kernel<C, D, false>(p.B);
   for (int s = 0; s < p.T; ++s) {
-    step_fwd<C, D><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, s, hbuf, cbuf);
+    step<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, s, hbuf, cbuf);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);

@@ -25,18 +25,23 @@ __global__ void step_init(Params p, float* hbuf, float* cbuf) {
   }
 }
 
-// The per-step kernel's work split: a block takes kStepUnits units and up to kStepCols batch
-// columns, a warp per gate row of its units. Each warp reads its row's values and columns once
-// for all the columns, where a warp per (unit, column) read every row once per column; a warp
-// per gate row, not per unit, keeps four times as many rows in flight for LSTM layers. In a
-// jitted loop of one-step calls (B=4, fp16) LSTM H=1024 went from 24.0 to 16.2 us per step,
-// H=4096 from 56.2 to 52.1 (benchmarks/NOTES.md, session 82).
-constexpr int kStepCols = 8;
+// The per-step kernel's work split: a block takes kStepUnits units and kCols batch columns, a
+// warp per gate row of its units. Each warp reads its row's values and columns once for all the
+// columns, where a warp per (unit, column) read every row once per column; a warp per gate row,
+// not per unit, keeps four times as many rows in flight for LSTM layers. In a jitted loop of
+// one-step calls (B=4, fp16) LSTM H=1024 went from 24.0 to 16.2 us per step, H=4096 from 56.2 to
+// 52.1 (benchmarks/NOTES.md, session 82).
+// kCols is a template argument (1, 4 or 8, the least that covers B, step_cols): the rows issue
+// every column's gather even where it is predicated off, and at LSTM H=4096 the kernel is bound by
+// issue, not memory (ncu: 0.76 warp instructions per scheduler and cycle; B=1 took 41.5 us and
+// B=4 44.8 with 8 column slots each; session 83).
 template <Cell kCell>
 constexpr int kStepUnits = gates_of(kCell) == 1 ? 8 : 2;  // 8 warps (6 for the GRU)
 
 template <Cell kCell>
 constexpr int step_threads() { return 32 * gates_of(kCell) * kStepUnits<kCell>; }
+
+__host__ __device__ constexpr int step_cols(int B) { return B <= 1 ? 1 : B <= 4 ? 4 : 8; }
 
 template <Cell kCell>
 __host__ __device__ inline long long step_unit_chunks(const Params& p) {
@@ -45,7 +50,8 @@ __host__ __device__ inline long long step_unit_chunks(const Params& p) {
 
 template <Cell kCell>
 __host__ __device__ inline long long step_blocks(const Params& p) {
-  return step_unit_chunks<kCell>(p) * ((p.B + kStepCols - 1) / kStepCols);
+  const int cols = step_cols(p.B);
+  return step_unit_chunks<kCell>(p) * ((p.B + cols - 1) / cols);
 }
 
 // How a lane reads its row: kVec consecutive nonzeros per load (one vector load of values and
@@ -95,7 +101,7 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
 // (At least 36 warps per SM: the rows wait on global loads, and a warp's 8 column sums took
 // 66 registers, 3 blocks of 8 warps per SM. sm_90: 48 registers and no spills for 5 blocks of
 // 8 warps; the GRU's 6 blocks of 6 warps, 56 registers, spill one 4-byte value.)
-template <Cell kCell, DType D, bool kOneStep = false, int kVec = kStepVec,
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
           int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>>
 __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
     step_fwd(Params p, int s, float* hbuf, float* cbuf) {
@@ -103,13 +109,13 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
   constexpr int U = kStepUnits<kCell>;
-  __shared__ float sums[U][G][kStepCols];
+  __shared__ float sums[U][G][kCols];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int H = p.H, B = p.B;
   const long long chunks = step_unit_chunks<kCell>(p);
   const int u0 = static_cast<int>(blockIdx.x % chunks) * U;
-  const int b0 = static_cast<int>(blockIdx.x / chunks) * kStepCols;
-  const int ncols = min(kStepCols, B - b0);
+  const int b0 = static_cast<int>(blockIdx.x / chunks) * kCols;
+  const int ncols = min(kCols, B - b0);
   const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
   float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
   auto h_at = [&](long long i) {
@@ -120,9 +126,9 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 
   // Rows: warp w sums gate w % G of unit u0 + w / G for every column.
   if (const int u = u0 + warp / G; running && u < H) {
-    float a[kStepCols];
+    float a[kCols];
 #pragma unroll
-    for (int j = 0; j < kStepCols; ++j) a[j] = 0.0f;
+    for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
     const S* vals = static_cast<const S*>(p.values);
     const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
     const long long r = static_cast<long long>(u) * G + warp % G;
@@ -139,14 +145,14 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 #pragma unroll
         for (int v = 0; v < kVec; ++v) {
 #pragma unroll
-          for (int j = 0; j < kStepCols; ++j)
+          for (int j = 0; j < kCols; ++j)
             if (j < ncols && c[q][v] >= 0)
               a[j] = fmaf(w[q][v], h_at(static_cast<long long>(b0 + j) * H + c[q][v]), a[j]);
         }
       }
     }
 #pragma unroll
-    for (int j = 0; j < kStepCols; ++j) {
+    for (int j = 0; j < kCols; ++j) {
       if (j < ncols) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
@@ -157,8 +163,8 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   __syncthreads();
 
   // Updates: a thread per (unit, column).
-  if (threadIdx.x >= U * kStepCols) return;
-  const int j = threadIdx.x % kStepCols, u = u0 + threadIdx.x / kStepCols;
+  if (threadIdx.x >= U * kCols) return;
+  const int j = threadIdx.x % kCols, u = u0 + threadIdx.x / kCols;
   if (j >= ncols || u >= H) return;
   const int b = b0 + j;
   float hw[G];
