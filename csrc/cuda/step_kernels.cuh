@@ -56,11 +56,12 @@ __host__ __device__ inline long long step_blocks(const Params& p) {
 
 // How a lane reads its row: kVec consecutive nonzeros per load (one vector load of values and
 // one of columns where all kVec are in the row and the arrays aligned), kUnroll such loads
-// issued before the first gather. At LSTM H=4096 (about 410 nonzeros a row) a row is one round of
-// loads and one of gathers, where one nonzero per load, four in flight, took four rounds of each.
-// (Benchmarks/NOTES.md, session 83; the probe benchmarks/step_kernel_probe.cu.)
+// issued before the first gather. One-step calls, fp16, us per launch (the probe
+// benchmarks/step_kernel_probe.cu, session 83): at B=4 LSTM H=4096 36.0 with one nonzero per
+// load and four loads in flight, 33.2 with four and one, ReLU H=5760 20.3 and 18.5 (at B=1
+// 25.5 / 19.1 and 13.9 / 10.2); more in flight, or eight per load, was slower.
 constexpr int kStepVec = 4;  // a power of two
-constexpr int kStepUnroll = 4;
+constexpr int kStepUnroll = 1;
 template <Cell kCell>
 constexpr int kStepMinBlocks = gates_of(kCell) == 3 ? 6 : 5;
 
@@ -98,9 +99,9 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
 // kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
 // read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
 // workspace, no step_init / step_final and, having no wait, no sync check.
-// (At least 36 warps per SM: the rows wait on global loads, and a warp's 8 column sums took
-// 66 registers, 3 blocks of 8 warps per SM. sm_90: 48 registers and no spills for 5 blocks of
-// 8 warps; the GRU's 6 blocks of 6 warps, 56 registers, spill one 4-byte value.)
+// (kMinBlocks keeps at least 36 warps per SM: the rows wait on global loads, and without it a
+// warp's 8 column sums took 66 registers, 3 blocks of 8 warps per SM. sm_90, kStepVec 4: at
+// most 48 registers for 5 blocks of 8 warps, 56 for the GRU's 6 blocks of 6, no spills.)
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
           int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>>
 __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
