@@ -1,7 +1,8 @@
 // The per-step kernel's row loads (step_kernels.cuh: kVec nonzeros per load, kUnroll loads in
 // flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
 // fp16, B = 4 and 1) without JAX: us per launch over back-to-back launches, medians of 5
-// rounds, and each setting's largest difference from the first (the old loads' shape).
+// rounds, and each setting's largest difference in hT / cT from the first (session 82's kernel:
+// 8 column slots, one nonzero per load).
 //
 //   benchmarks/gpu_check.sh step-kernel
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:

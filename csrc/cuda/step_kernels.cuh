@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
   constexpr int U = kStepUnits<kCell>;
+  static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "the rows round k0 down to a multiple");
   __shared__ float sums[U][G][kCols];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int H = p.H, B = p.B;
