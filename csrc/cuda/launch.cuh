@@ -87,32 +87,23 @@ KernelFn cluster_kernel(int bt) {
   }
 }
 
-// The per-step kernel with kCols = step_cols(B) columns per block.
-template <Cell C, DType D, bool kOneStep>
-auto step_kernel(int B) {
-  switch (step_cols(B)) {
-    case 1: return &step_fwd<C, D, kOneStep, 1>;
-    case 4: return &step_fwd<C, D, kOneStep, 4>;
-    default: return &step_fwd<C, D, kOneStep, 8>;
-  }
-}
-
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
                       bool one_step) {
   const long long n = static_cast<long long>(p.B) * p.H;
-  const long long blocks = step_blocks<C>(p);
+  const int cols = step_cols(p.B);
+  const long long blocks = step_blocks<C>(p, cols);
   constexpr int threads = step_threads<C>();
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   if (one_step) {  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    step_kernel<C, D, true>(p.B)<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+    step_kernel<C, D, true>(cols)<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
         p, 0, nullptr, nullptr);
     return cudaGetLastError();
   }
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const auto step = step_kernel<C, D, false>(p.B);
+  const auto step = step_kernel<C, D, false>(cols);
   for (int s = 0; s < p.T; ++s) {
     step<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, s, hbuf, cbuf);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

@@ -48,9 +48,9 @@ __host__ __device__ inline long long step_unit_chunks(const Params& p) {
   return (p.H + kStepUnits<kCell> - 1) / kStepUnits<kCell>;
 }
 
+// Blocks of a step of blocks of `cols` batch columns (step_cols(p.B) in the package).
 template <Cell kCell>
-__host__ __device__ inline long long step_blocks(const Params& p) {
-  const int cols = step_cols(p.B);
+__host__ __device__ inline long long step_blocks(const Params& p, int cols) {
   return step_unit_chunks<kCell>(p) * ((p.B + cols - 1) / cols);
 }
 
@@ -213,6 +213,19 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   else hout[bi] = hnew;
   static_cast<S*>(p.ys)[o] = T::from_f(hnew);
 }
+
+#if !defined(__CUDACC_RTC__)
+// step_fwd for a block of `cols` batch columns (1, 4 or 8; step_cols(B) for a call of B).
+template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kUnroll = kStepUnroll,
+          int kMinBlocks = kStepMinBlocks<C>>
+auto step_kernel(int cols) {
+  switch (cols) {
+    case 1: return &step_fwd<C, D, kOneStep, 1, kVec, kUnroll, kMinBlocks>;
+    case 4: return &step_fwd<C, D, kOneStep, 4, kVec, kUnroll, kMinBlocks>;
+    default: return &step_fwd<C, D, kOneStep, 8, kVec, kUnroll, kMinBlocks>;
+  }
+}
+#endif
 
 template <Cell kCell, DType D>
 __global__ void step_final(Params p, const float* hfin, const float* cbuf) {
