@@ -125,6 +125,18 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
     else return hin[i];
   };
   const bool running = s < max_seq_len(p, b0, b0 + ncols);  // any column of the block
+  // One-step calls of up to 4 columns gather without branches: each column's h by its own base
+  // pointer, one wide multiply-add from the nonzero's column where (b0 + j) * H + column took
+  // five instructions and reloads of H and h0, and a select instead of a predicate: ~12 SASS
+  // instructions per gather became 7. One-step fp16 us per launch (session 84, step_kernel_probe
+  // calls 1 and 6): B=1 LSTM H=4096 19.3 -> 16.7, ReLU H=5760 10.3 -> 8.1; B=4 33.7 -> 32.5,
+  // 19.8 -> 17.0. With 8 columns the 8 pointers spill or cost occupancy (B=8 53.7 -> 55.6,
+  // B=16 95.2 -> 105.1) and the loop steps were no faster, so those keep predicated gathers.
+  constexpr bool kSelect = kOneStep && kCols <= 4;
+  const S* hcol[kCols];  // (the select's h0 of each column)
+#pragma unroll
+  for (int j = 0; j < kCols; ++j)
+    hcol[j] = static_cast<const S*>(p.h0) + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
 
   // Rows: warp w sums gate w % G of unit u0 + w / G for every column.
   if (const int u = u0 + warp / G; running && u < H) {
@@ -146,10 +158,19 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
       for (int q = 0; q < kUnroll; ++q) {
 #pragma unroll
         for (int v = 0; v < kVec; ++v) {
+          // A nonzero outside the row gathers column 0 and its sum is dropped by the select, not
+          // by 0 * h (h may be inf). Columns past ncols repeat the last one, unused.
+          const bool in = c[q][v] >= 0;
+          const int col = in ? c[q][v] : 0;
 #pragma unroll
-          for (int j = 0; j < kCols; ++j)
-            if (j < ncols && c[q][v] >= 0)
-              a[j] = fmaf(w[q][v], h_at(static_cast<long long>(b0 + j) * H + c[q][v]), a[j]);
+          for (int j = 0; j < kCols; ++j) {
+            if constexpr (kSelect) {
+              const float sum = fmaf(w[q][v], T::to_f(hcol[j][col]), a[j]);
+              a[j] = in ? sum : a[j];
+            } else if (j < ncols && in) {
+              a[j] = fmaf(w[q][v], h_at(static_cast<long long>(b0 + j) * H + col), a[j]);
+            }
+          }
         }
       }
     }
