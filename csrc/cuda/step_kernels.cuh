@@ -129,9 +129,10 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   // pointer, one wide multiply-add from the nonzero's column where (b0 + j) * H + column took
   // five instructions and reloads of H and h0, and a select instead of a predicate: ~12 SASS
   // instructions per gather became 7. One-step fp16 us per launch (session 84, step_kernel_probe
-  // calls 1 and 6): B=1 LSTM H=4096 19.3 -> 16.7, ReLU H=5760 10.3 -> 8.1; B=4 33.7 -> 32.5,
-  // 19.8 -> 17.0. With 8 columns the 8 pointers spill or cost occupancy (B=8 53.7 -> 55.6,
-  // B=16 95.2 -> 105.1) and the loop steps were no faster, so those keep predicated gathers.
+  // calls 1 and 6): B=1 LSTM H=4096 19.2 -> 16.6, ReLU H=5760 10.3 -> 8.2; B=4 about even (32.6
+  // -> 32.4 and 33.7 -> 33.4; 17.2 -> 17.9 and 19.8 -> 18.1). With 8 columns the 8 pointers
+  // spill or cost occupancy (B=8 53.7 -> 55.6, B=16 95.2 -> 105.1) and the loop steps were no
+  // faster, so those keep the predicated gathers.
   constexpr bool kSelect = kOneStep && kCols <= 4;
   const S* hcol[kCols];  // (the select's h0 of each column)
 #pragma unroll
