@@ -134,10 +134,12 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   // spill or cost occupancy (B=8 53.7 -> 55.6, B=16 95.2 -> 105.1) and the loop steps were no
   // faster, so those keep the predicated gathers.
   constexpr bool kSelect = kOneStep && kCols <= 4;
-  const S* hcol[kCols];  // (the select's h0 of each column)
+  const S* hcol[kCols];  // the select's h0 of each column
+  if constexpr (kSelect) {
 #pragma unroll
-  for (int j = 0; j < kCols; ++j)
-    hcol[j] = static_cast<const S*>(p.h0) + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
+    for (int j = 0; j < kCols; ++j)
+      hcol[j] = static_cast<const S*>(p.h0) + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
+  }
 
   // Rows: warp w sums gate w % G of unit u0 + w / G for every column.
   if (const int u = u0 + warp / G; running && u < H) {
