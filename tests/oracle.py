@@ -65,6 +65,17 @@ def nan_reach(mask, cell, steps, unit, t0):
     return want
 
 
+def h0_nan_reach(mask, cell, unit):
+    """(H,) bool: where a NaN put into h0's `unit` of one sequence must show in that sequence's
+    output of a one-step call of a sparse layer: every unit with a nonzero in column `unit`, and
+    for the gru the unit itself (its update mixes in its own h: z * NaN)."""
+    hidden = mask.shape[0]
+    want = mask.reshape(hidden, GATES[cell], hidden).any(axis=1)[unit].copy()
+    if cell == "gru":
+        want[unit] = True
+    return want
+
+
 def with_nan(p, cell, b, unit=5, t0=1):
     """Problem p's xp with one NaN input (sequence b, the first gate of `unit`, step t0), and
     where that NaN must show in ys: (steps, batch, H) bool, nan_reach in sequence b."""

@@ -167,6 +167,32 @@ def test_one_step_calls(cell, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype):
+    # One-step calls of up to 4 columns gather without branches (step_kernels.cuh): a lane past
+    # its row's end reads column 0 and a select drops its sum. So a NaN in h0's unit 0 must show
+    # in exactly the units with a nonzero in column 0 (oracle.h0_nan_reach), in blocks of 1, 4
+    # (two in use) and 8 columns; the other sequences match the oracle.
+    for n, (batch, hidden, density) in enumerate([(1, 300, 0.05), (4, 129, 0.1), (2, 517, 0.02),
+                                                  (6, 200, 0.05)]):
+        rng = np.random.default_rng(300 + n)
+        p = oracle.random_problem(rng, cell, 1, batch, hidden, density, jnp.dtype(dtype))
+        b = batch // 2
+        h0 = np.asarray(p["carry"][-1]).copy()  # (lstm: the carry is (c, h))
+        h0[b, 0] = np.nan
+        p["carry"] = (*p["carry"][:-1], h0)
+        want = oracle.h0_nan_reach(p["mask"], cell, 0)
+        assert 0 < want.sum() < hidden, "the NaN should reach some units and not others"
+        w = sp.SparseWeights.from_dense(jnp.asarray(p["kernel"]), p["mask"])
+        act = n % 2 if cell == "rnn" else 0
+        ys, _, _ = kernel_forward(cell, p["xp"], p["carry"], w, None, p["b_hn"], activation=act)
+        got = np.isnan(np.asarray(ys, np.float32))
+        np.testing.assert_array_equal(got[0, b], want, err_msg=f"{cell} {dtype} case {n}")
+        err = oracle.others_error(ys, p, p["xp"], cell, b, ("tanh", "relu")[act])
+        assert err < oracle.RTOL[dtype], f"rel error {err:.3g} of the other sequences, {dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_relu_large_and_wide_batch(dtype):
     for n, shape in enumerate([(8, 4, 5760, 0.1, "uniform"), (6, 64, 1152, 0.1, "uniform"),
                                (3, 33, 700, 0.3, "skewed")]):
