@@ -173,8 +173,9 @@ def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype):
     # its row's end reads column 0 and a select drops its sum. So a NaN in h0's unit 0 must show
     # in exactly the units with a nonzero in column 0 (oracle.h0_nan_reach), in blocks of 1, 4
     # (two in use) and 8 columns; the other sequences match the oracle.
-    for n, (batch, hidden, density) in enumerate([(1, 300, 0.05), (4, 129, 0.1), (2, 517, 0.02),
-                                                  (6, 200, 0.05)]):
+    calls = _ffi.cuda_module.one_step_calls()
+    cases = [(1, 300, 0.05), (4, 129, 0.1), (2, 517, 0.02), (6, 200, 0.05)]
+    for n, (batch, hidden, density) in enumerate(cases):
         rng = np.random.default_rng(300 + n)
         p = oracle.random_problem(rng, cell, 1, batch, hidden, density, jnp.dtype(dtype))
         b = batch // 2
@@ -190,6 +191,7 @@ def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype):
         np.testing.assert_array_equal(got[0, b], want, err_msg=f"{cell} {dtype} case {n}")
         err = oracle.others_error(ys, p, p["xp"], cell, b, ("tanh", "relu")[act])
         assert err < oracle.RTOL[dtype], f"rel error {err:.3g} of the other sequences, {dtype}"
+    assert _ffi.cuda_module.one_step_calls() == calls + len(cases)  # all by the per-step kernel
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
