@@ -1,8 +1,9 @@
 // The per-step kernel's row loads (step_kernels.cuh: kVec nonzeros per load, kUnroll loads in
 // flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
-// fp16, B = 4 and 1) without JAX: us per launch over back-to-back launches, medians of 5
-// rounds, and each setting's largest difference in hT / cT from the first (session 82's kernel:
-// 8 column slots, one nonzero per load).
+// fp16, B = 4, 1 and 8) without JAX, and the default as a loop step (variant 4 and layers off
+// chip: h from the float32 workspace): us per launch over back-to-back launches, medians of 5
+// rounds, and each setting's largest difference in ys / cs from the first (session 82's
+// kernel: 8 column slots, one nonzero per load), of one launch from the same state.
 //
 //   benchmarks/gpu_check.sh step-kernel
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
@@ -28,15 +29,16 @@ struct Setting {
   const char* name;
   Kernel kernel;
   int cols;  // batch columns per block
+  bool one_step;  // else a loop step: h and c in the workspace
 };
 
 // The setting's kernel for B columns (kCols = step_cols(B), as launch.cuh picks it; kCols 8
 // for every B is session 82's kernel).
-template <Cell C, int kVec, int kUnroll, int kMinBlocks, bool kEight = false>
+template <Cell C, int kVec, int kUnroll, int kMinBlocks, bool kEight = false, bool kOne = true>
 Setting setting(const char* name, int B) {
   const int cols = kEight ? 8 : sprnn::cuda::step_cols(B);
-  return {name, sprnn::cuda::step_kernel<C, DType::kF16, true, kVec, kUnroll, kMinBlocks>(cols),
-          cols};
+  return {name, sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks>(cols),
+          cols, kOne};
 }
 
 template <Cell C>
@@ -49,7 +51,9 @@ std::vector<Setting> settings(int B) {
           setting<C, 4, 2, 4>("vec 4 x2, 4", B),
           setting<C, 4, 4, 4>("vec 4 x4, 4", B),
           setting<C, 8, 1, m>("vec 8 x1, 5", B),
-          setting<C, 8, 2, 4>("vec 8 x2, 4", B)};
+          setting<C, 8, 2, 4>("vec 8 x2, 4", B),
+          setting<C, sprnn::cuda::kStepVec, sprnn::cuda::kStepUnroll, m, false, false>(
+              "loop step, the default", B)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }
@@ -93,8 +97,16 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
   p.values = upload(vals);
   p.col_idx = upload(cols);
   p.row_ptr = upload(row_ptr);
-  p.h0 = upload(randoms(bh));
-  p.c0 = upload(randoms(bh));
+  const std::vector<uint16_t> h0 = randoms(bh), c0 = randoms(bh);
+  p.h0 = upload(h0);
+  p.c0 = upload(c0);
+  // The loop step's workspace (launch.cuh run_steps): h twice (read one, write the other), then
+  // c, from h0 and c0. Its launches update c in place, so it is reset before the checked launch.
+  std::vector<float> workspace(3 * bh);
+  std::transform(h0.begin(), h0.end(), workspace.begin(), from_f16);
+  std::transform(c0.begin(), c0.end(), workspace.begin() + 2 * bh, from_f16);
+  float* hbuf = upload(workspace);
+  float* cbuf = hbuf + 2 * bh;
   p.b_hn = upload(randoms(H));
   for (void** out : {&p.ys, &p.hT, &p.cT, &p.cs}) {
     CHECK(cudaMalloc(out, bh * 2));
@@ -115,11 +127,12 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     const Setting& st = all[si];
     const int kLaunches = g_launches;
     const auto blocks = static_cast<unsigned>(sprnn::cuda::step_blocks<C>(p, st.cols));
+    float* h_ws = st.one_step ? nullptr : hbuf;
+    float* c_ws = st.one_step ? nullptr : cbuf;
     std::vector<float> rounds;
     for (int round = 0; round < 6; ++round) {  // round 0 warms up
       CHECK(cudaEventRecord(e0));
-      for (int i = 0; i < kLaunches; ++i)
-        st.kernel<<<blocks, threads>>>(p, 0, nullptr, nullptr);
+      for (int i = 0; i < kLaunches; ++i) st.kernel<<<blocks, threads>>>(p, 0, h_ws, c_ws);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
@@ -128,9 +141,12 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
       if (round > 0) rounds.push_back(1e3f * ms / kLaunches);
     }
     std::sort(rounds.begin(), rounds.end());
-    std::vector<uint16_t> out(2 * bh);
-    CHECK(cudaMemcpy(out.data(), p.hT, bh * 2, cudaMemcpyDeviceToHost));
-    CHECK(cudaMemcpy(out.data() + bh, p.cT, bh * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(hbuf, workspace.data(), workspace.size() * 4, cudaMemcpyHostToDevice));
+    st.kernel<<<blocks, threads>>>(p, 0, h_ws, c_ws);
+    CHECK(cudaGetLastError());
+    std::vector<uint16_t> out(2 * bh);  // ys and cs: both kinds of step write them
+    CHECK(cudaMemcpy(out.data(), p.ys, bh * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(out.data() + bh, p.cs, bh * 2, cudaMemcpyDeviceToHost));
     std::vector<float> got(out.size());
     std::transform(out.begin(), out.end(), got.begin(), from_f16);
     if (first.empty()) first = got;
@@ -142,7 +158,8 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
   for (const void* q : {p.xp, static_cast<const void*>(p.lengths), p.values,
                         static_cast<const void*>(p.col_idx), static_cast<const void*>(p.row_ptr),
                         p.h0, p.c0, p.b_hn, static_cast<const void*>(p.ys), static_cast<const void*>(p.hT),
-                        static_cast<const void*>(p.cT), static_cast<const void*>(p.cs)})
+                        static_cast<const void*>(p.cT), static_cast<const void*>(p.cs),
+                        static_cast<const void*>(hbuf)})
     CHECK(cudaFree(const_cast<void*>(q)));
 }
 
@@ -157,7 +174,7 @@ int main(int argc, char** argv) {
     else run<Cell::kRnnTanh>("relu 10%", H, B, 0.1, rng);
     return 0;
   }
-  for (int B : {4, 1}) {
+  for (int B : {4, 1, 8}) {
     run<Cell::kLstm>("lstm 10%", 1024, B, 0.1, rng);
     run<Cell::kLstm>("lstm 10%", 4096, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 1152, B, 0.1, rng);
