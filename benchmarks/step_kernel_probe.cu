@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <cstdlib>
+#include <initializer_list>
 #include <vector>
 
 #include "cuda/step_kernels.cuh"
@@ -155,11 +156,9 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     std::printf("%-10s H=%-5d B=%d %-38s %8.2f us   max |diff| %.1e\n", label, H, B, st.name,
                 rounds[rounds.size() / 2], diff);
   }
-  for (const void* q : {p.xp, static_cast<const void*>(p.lengths), p.values,
-                        static_cast<const void*>(p.col_idx), static_cast<const void*>(p.row_ptr),
-                        p.h0, p.c0, p.b_hn, static_cast<const void*>(p.ys), static_cast<const void*>(p.hT),
-                        static_cast<const void*>(p.cT), static_cast<const void*>(p.cs),
-                        static_cast<const void*>(hbuf)})
+  for (const void* q : std::initializer_list<const void*>{
+           p.xp, p.lengths, p.values, p.col_idx, p.row_ptr, p.h0, p.c0, p.b_hn, p.ys, p.hT, p.cT,
+           p.cs, hbuf})
     CHECK(cudaFree(const_cast<void*>(q)));
 }
 
