@@ -35,10 +35,13 @@ struct Setting {
 
 // The setting's kernel for B columns (kCols = step_cols(B), as launch.cuh picks it; kCols 8
 // for every B is session 82's kernel).
-template <Cell C, int kVec, int kUnroll, int kMinBlocks, bool kEight = false, bool kOne = true>
+template <Cell C, int kVec, int kUnroll, int kMinBlocks, bool kEight = false, bool kOne = true,
+          int kSelectCols = sprnn::cuda::kStepSelectCols>
 Setting setting(const char* name, int B) {
   const int cols = kEight ? 8 : sprnn::cuda::step_cols(B);
-  return {name, sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks>(cols),
+  return {name,
+          sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks, kSelectCols>(
+              cols),
           cols, kOne};
 }
 
@@ -54,7 +57,9 @@ std::vector<Setting> settings(int B) {
           setting<C, 8, 1, m>("vec 8 x1, 5", B),
           setting<C, 8, 2, 4>("vec 8 x2, 4", B),
           setting<C, sprnn::cuda::kStepVec, sprnn::cuda::kStepUnroll, m, false, false>(
-              "loop step, the default", B)};
+              "loop step, the default", B),
+          setting<C, sprnn::cuda::kStepVec, sprnn::cuda::kStepUnroll, m, false, false, 0>(
+              "loop step, predicated (session 84)", B)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

@@ -64,6 +64,8 @@ constexpr int kStepVec = 4;  // a power of two
 constexpr int kStepUnroll = 1;
 template <Cell kCell>
 constexpr int kStepMinBlocks = gates_of(kCell) == 3 ? 6 : 5;
+// Blocks of at most this many columns gather h_{t-1} by select (step_fwd); wider ones predicate.
+constexpr int kStepSelectCols = 4;
 
 // Lane's nonzeros k .. k + kVec - 1 of the row [k0, k1): values as float32 and columns, -1 for
 // those outside the row.
@@ -103,7 +105,8 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
 // warp's 8 column sums took 66 registers, 3 blocks of 8 warps per SM. sm_90, kStepVec 4: at
 // most 48 registers for 5 blocks of 8 warps, 56 for the GRU's 6 blocks of 6, no spills.)
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
-          int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>>
+          int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>,
+          int kSelectCols = kStepSelectCols>
 __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
     step_fwd(Params p, int s, float* hbuf, float* cbuf) {
   using T = Tr<D>;
@@ -133,13 +136,21 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   // -> 32.4 and 33.7 -> 33.4; 17.2 -> 17.9 and 19.8 -> 18.1). With 8 columns the 8 pointers
   // spill or cost occupancy (B=8 53.7 -> 55.6, B=16 95.2 -> 105.1) and the loop steps were no
   // faster, so those keep the predicated gathers.
-  constexpr bool kSelect = kOneStep && kCols <= 4;
-  const S* hcol[kCols];  // the select's h0 of each column
+  constexpr bool kSelect = kCols <= kSelectCols;
+  using HIn = pick_t<kOneStep, S, float>;  // h_{t-1}: the call's h0 or the workspace
+  const HIn* hcol[kCols];  // the select's h_{t-1} of each column
   if constexpr (kSelect) {
+    const HIn* hbase;
+    if constexpr (kOneStep) hbase = static_cast<const S*>(p.h0);
+    else hbase = hin;
 #pragma unroll
     for (int j = 0; j < kCols; ++j)
-      hcol[j] = static_cast<const S*>(p.h0) + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
+      hcol[j] = hbase + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
   }
+  auto to_f = [](HIn v) {
+    if constexpr (kOneStep) return T::to_f(v);
+    else return v;
+  };
 
   // Rows: warp w sums gate w % G of unit u0 + w / G for every column.
   if (const int u = u0 + warp / G; running && u < H) {
@@ -168,7 +179,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 #pragma unroll
           for (int j = 0; j < kCols; ++j) {
             if constexpr (kSelect) {
-              const float sum = fmaf(w[q][v], T::to_f(hcol[j][col]), a[j]);
+              const float sum = fmaf(w[q][v], to_f(hcol[j][col]), a[j]);
               a[j] = in ? sum : a[j];
             } else if (j < ncols && in) {
               a[j] = fmaf(w[q][v], h_at(static_cast<long long>(b0 + j) * H + col), a[j]);
@@ -241,12 +252,12 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 #if !defined(__CUDACC_RTC__)
 // step_fwd for a block of `cols` batch columns (1, 4 or 8; step_cols(B) for a call of B).
 template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kUnroll = kStepUnroll,
-          int kMinBlocks = kStepMinBlocks<C>>
+          int kMinBlocks = kStepMinBlocks<C>, int kSelectCols = kStepSelectCols>
 auto step_kernel(int cols) {
   switch (cols) {
-    case 1: return &step_fwd<C, D, kOneStep, 1, kVec, kUnroll, kMinBlocks>;
-    case 4: return &step_fwd<C, D, kOneStep, 4, kVec, kUnroll, kMinBlocks>;
-    default: return &step_fwd<C, D, kOneStep, 8, kVec, kUnroll, kMinBlocks>;
+    case 1: return &step_fwd<C, D, kOneStep, 1, kVec, kUnroll, kMinBlocks, kSelectCols>;
+    case 4: return &step_fwd<C, D, kOneStep, 4, kVec, kUnroll, kMinBlocks, kSelectCols>;
+    default: return &step_fwd<C, D, kOneStep, 8, kVec, kUnroll, kMinBlocks, kSelectCols>;
   }
 }
 #endif
