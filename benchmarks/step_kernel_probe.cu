@@ -1,9 +1,10 @@
 // The per-step kernel's row loads (step_kernels.cuh: kVec nonzeros per load, kUnroll loads in
 // flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
-// fp16, B = 4, 1 and 8) without JAX, and the default as a loop step (variant 4 and layers off
-// chip: h from the float32 workspace): us per launch over back-to-back launches, medians of 5
-// rounds, and each setting's largest difference in ys / cs from the first (session 82's
-// kernel: 8 column slots, one nonzero per load), of one launch from the same state.
+// fp16, B = 4, 1 and 8) without JAX, and as loop steps (variant 4 and layers off chip: h from
+// the float32 workspace), step_fwd against step_fwd_staged (h_{t-1} copied on chip; above the
+// package's 48 KB too, by raising the kernel's limit): us per launch over back-to-back launches,
+// medians of 5 rounds, and each setting's largest difference in ys / cs from the first (session
+// 82's kernel: 8 column slots, one nonzero per load), of one launch from the same state.
 //
 //   benchmarks/gpu_check.sh step-kernel
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
@@ -31,6 +32,7 @@ struct Setting {
   Kernel kernel;
   int cols;  // batch columns per block
   bool one_step;  // else a loop step: h and c in the workspace
+  bool staged;  // step_fwd_staged (grid, threads and shared memory of its own)
 };
 
 // The setting's kernel for B columns (kCols = step_cols(B), as launch.cuh picks it; kCols 8
@@ -42,24 +44,28 @@ Setting setting(const char* name, int B) {
   return {name,
           sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks, kSelectCols>(
               cols),
-          cols, kOne};
+          cols, kOne, false};
+}
+
+template <Cell C, bool kOne>
+Setting staged(const char* name, int B) {
+  const int cols = sprnn::cuda::step_cols(B);
+  return {name, sprnn::cuda::step_staged_kernel<C, DType::kF16, kOne>(cols), cols, kOne, true};
 }
 
 template <Cell C>
 std::vector<Setting> settings(int B) {
   constexpr int m = sprnn::cuda::kStepMinBlocks<C>;
+  constexpr int v = sprnn::cuda::kStepVec, x = sprnn::cuda::kStepUnroll;
   return {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", B),
           setting<C, 1, 4, m>("vec 1 x4, min blocks 5", B),
-          setting<C, 4, 1, m>("vec 4 x1, 5", B),
+          setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", B),
           setting<C, 4, 2, m>("vec 4 x2, 5", B),
-          setting<C, 4, 2, 4>("vec 4 x2, 4", B),
-          setting<C, 4, 4, 4>("vec 4 x4, 4", B),
           setting<C, 8, 1, m>("vec 8 x1, 5", B),
-          setting<C, 8, 2, 4>("vec 8 x2, 4", B),
-          setting<C, sprnn::cuda::kStepVec, sprnn::cuda::kStepUnroll, m, false, false>(
-              "loop step, the default", B),
-          setting<C, sprnn::cuda::kStepVec, sprnn::cuda::kStepUnroll, m, false, false, 0>(
-              "loop step, predicated (session 84)", B)};
+          staged<C, true>("staged", B),
+          setting<C, v, x, m, false, false>("loop step, step_fwd", B),
+          setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", B),
+          staged<C, false>("loop step, staged", B)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }
@@ -74,6 +80,7 @@ V* upload(const std::vector<V>& host) {
 }
 
 int g_launches = 200, g_only = -1;  // launches per round; the one setting to run (-1: all)
+int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
 
 template <Cell C>
 void run(const char* label, int H, int B, double density, std::mt19937& rng) {
@@ -122,7 +129,7 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
   p.B = B;
   p.H = H;
   p.activation = 1;
-  constexpr int threads = sprnn::cuda::step_threads<C>();
+  constexpr int step_threads = sprnn::cuda::step_threads<C>();
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
@@ -132,13 +139,22 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     if (g_only >= 0 && si != g_only) continue;
     const Setting& st = all[si];
     const int kLaunches = g_launches;
-    const auto blocks = static_cast<unsigned>(sprnn::cuda::step_blocks<C>(p, st.cols));
+    const long long smem =
+        st.staged ? sprnn::cuda::step_staged_bytes<DType::kF16>(p, st.cols, st.one_step) : 0;
+    if (smem > 48 * 1024)  // (the package runs it only below 48 KB; is more worth the limit?)
+      CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(st.kernel),
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(smem)));
+    const auto blocks = static_cast<unsigned>(
+        st.staged ? sprnn::cuda::step_staged_grid<C>(p, st.cols, g_sms)
+                  : sprnn::cuda::step_blocks<C>(p, st.cols));
+    const int threads = st.staged ? sprnn::cuda::staged_threads<C>() : step_threads;
     float* h_ws = st.one_step ? nullptr : hbuf;
     float* c_ws = st.one_step ? nullptr : cbuf;
     std::vector<float> rounds;
     for (int round = 0; round < 6; ++round) {  // round 0 warms up
       CHECK(cudaEventRecord(e0));
-      for (int i = 0; i < kLaunches; ++i) st.kernel<<<blocks, threads>>>(p, 0, h_ws, c_ws);
+      for (int i = 0; i < kLaunches; ++i) st.kernel<<<blocks, threads, smem>>>(p, 0, h_ws, c_ws);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
@@ -148,7 +164,7 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     }
     std::sort(rounds.begin(), rounds.end());
     CHECK(cudaMemcpy(hbuf, workspace.data(), workspace.size() * 4, cudaMemcpyHostToDevice));
-    st.kernel<<<blocks, threads>>>(p, 0, h_ws, c_ws);
+    st.kernel<<<blocks, threads, smem>>>(p, 0, h_ws, c_ws);
     CHECK(cudaGetLastError());
     std::vector<uint16_t> out(2 * bh);  // ys and cs: both kinds of step write them
     CHECK(cudaMemcpy(out.data(), p.ys, bh * 2, cudaMemcpyDeviceToHost));
@@ -158,7 +174,7 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     if (first.empty()) first = got;
     float diff = 0;
     for (size_t i = 0; i < got.size(); ++i) diff = std::max(diff, std::abs(got[i] - first[i]));
-    std::printf("%-10s H=%-5d B=%d %-38s %8.2f us   max |diff| %.1e\n", label, H, B, st.name,
+    std::printf("%-10s H=%-5d B=%d %-36s %8.2f us   max |diff| %.1e\n", label, H, B, st.name,
                 rounds[rounds.size() / 2], diff);
   }
   for (const void* q : std::initializer_list<const void*>{
@@ -169,6 +185,7 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   std::mt19937 rng(0);
+  CHECK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
   if (argc == 6) {
     const std::string cell = argv[1];
     const int H = std::atoi(argv[2]), B = std::atoi(argv[3]);

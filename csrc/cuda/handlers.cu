@@ -670,12 +670,17 @@ cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const 
   return cudaSuccess;
 }
 
+// The per-step kernels (launch.cuh run_steps). SPRNN_CUDA_STEP_STAGED=0 keeps them off the
+// staged kernel (step_kernels.cuh step_fwd_staged), e.g. to test or time step_fwd alone.
 cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
                       cudaStream_t s, bool one_step = false) {
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const int sms = env_int("SPRNN_CUDA_STEP_STAGED", 1) != 0 ? device_info(dev).sms : 0;
   switch (cell) {
-    case Cell::kLstm: return run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step);
-    case Cell::kGru: return run_steps_gru(dtype, p, hbuf, cbuf, s, one_step);
-    default: return run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step);
+    case Cell::kLstm: return run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step, sms);
+    case Cell::kGru: return run_steps_gru(dtype, p, hbuf, cbuf, s, one_step, sms);
+    default: return run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step, sms);
   }
 }
 

@@ -87,27 +87,28 @@ KernelFn cluster_kernel(int bt) {
   }
 }
 
+// One step as one launch of step_launch's choice.
+inline cudaError_t launch_step(const StepLaunch& l, const Params& p, int s, float* hbuf,
+                               float* cbuf, cudaStream_t stream) {
+  if (l.blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  l.kernel<<<static_cast<unsigned>(l.blocks), l.threads, static_cast<size_t>(l.smem), stream>>>(
+      p, s, hbuf, cbuf);
+  return cudaGetLastError();
+}
+
+// sms: the GPU's SM count for the staged kernel, 0 for step_fwd only (step_launch).
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
-                      bool one_step) {
+                      bool one_step, int sms) {
   const long long n = static_cast<long long>(p.B) * p.H;
-  const int cols = step_cols(p.B);
-  const long long blocks = step_blocks<C>(p, cols);
-  constexpr int threads = step_threads<C>();
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  if (one_step) {  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    step_kernel<C, D, true>(cols)<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        p, 0, nullptr, nullptr);
-    return cudaGetLastError();
-  }
+  if (one_step)  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
+    return launch_step(step_launch<C, D, true>(p, sms), p, 0, nullptr, nullptr, stream);
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const auto step = step_kernel<C, D, false>(cols);
-  for (int s = 0; s < p.T; ++s) {
-    step<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, s, hbuf, cbuf);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
+  const StepLaunch step = step_launch<C, D, false>(p, sms);
+  for (int s = 0; s < p.T; ++s)
+    if (cudaError_t e = launch_step(step, p, s, hbuf, cbuf, stream); e != cudaSuccess) return e;
   step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);
   return cudaGetLastError();
 }
@@ -120,7 +121,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
                                   Words words, bool mma, bool relu);                      \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
-                               cudaStream_t s, bool one_step);
+                               cudaStream_t s, bool one_step, int sms);
 SPRNN_CELL_ENTRY(rnn)
 SPRNN_CELL_ENTRY(lstm)
 SPRNN_CELL_ENTRY(gru)
@@ -142,9 +143,9 @@ SPRNN_CELL_ENTRY(gru)
     return by_dtype(dtype, [&](auto d) { return cluster_kernel<C, decltype(d)::value>(bt); }); \
   }                                                                                      \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,      \
-                               cudaStream_t s, bool one_step) {                          \
+                               cudaStream_t s, bool one_step, int sms) {                 \
     return by_dtype(dtype, [&](auto d) {                                                 \
-      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step);               \
+      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step, sms);          \
     });                                                                                  \
   }
 

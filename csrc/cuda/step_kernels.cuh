@@ -98,125 +98,72 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
          at(cols) % (kColBytes < 16 ? kColBytes : 16) == 0;
 }
 
-// kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
-// read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
-// workspace, no step_init / step_final and, having no wait, no sync check.
-// (kMinBlocks keeps at least 36 warps per SM: the rows wait on global loads, and without it a
-// warp's 8 column sums took 66 registers, 3 blocks of 8 warps per SM. sm_90, kStepVec 4: at
-// most 48 registers for 5 blocks of 8 warps, 56 for the GRU's 6 blocks of 6, no spills.)
-template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
-          int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>,
-          int kSelectCols = kStepSelectCols>
-__global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
-    step_fwd(Params p, int s, float* hbuf, float* cbuf) {
+// Warp `warp`'s row sums for kCols batch columns: the row is gate warp % G of unit u0 + warp / G,
+// accumulate(w, col, in, a) adds one nonzero (in: inside the row) to the column sums a, and lane
+// 0 stores the warp's sums into sums[warp / G][warp % G][j] for the block's ncols columns.
+template <Cell kCell, DType D, int kCols, int kVec, int kUnroll, class Accumulate>
+__device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, float* sums,
+                                         Accumulate accumulate) {
+  constexpr int G = gates_of(kCell);
+  static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "the rows round k0 down to a multiple");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int u = u0 + warp / G;
+  if (u >= p.H) return;
+  float a[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
+  const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
+  const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
+  const long long r = static_cast<long long>(u) * G + warp % G;
+  const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
+  constexpr int kPass = 32 * kVec;
+  for (int k = (k0 & -kVec) + lane * kVec; k < k1; k += kPass * kUnroll) {
+    float w[kUnroll][kVec];
+    int c[kUnroll][kVec];
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q)
+      load_nonzeros<D, kVec>(vals, p.col_idx, aligned, k + q * kPass, k0, k1, w[q], c[q]);
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        // A nonzero outside the row reads column 0; accumulate drops its sum by a select or a
+        // predicate, not by 0 * h (h may be inf).
+        const bool in = c[q][v] >= 0;
+        accumulate(w[q][v], in ? c[q][v] : 0, in, a);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    if (j < ncols) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
+      if (lane == 0) sums[((warp / G) * G + warp % G) * kCols + j] = a[j];
+    }
+  }
+}
+
+// The update of unit u, column b at step s from its gate sums hw (row_sums'), for a call of one
+// step (kOneStep: h_{-1} and c from h0 and c0, the new state to hT and cT) or a loop step (h
+// double-buffered in hin / hout, c in cbuf, in float32). Where s >= the column's length, hw is
+// not read (the block may have skipped its rows).
+template <Cell kCell, DType D, bool kOneStep>
+__device__ __forceinline__ void update_unit(const Params& p, int s, int b, int u, const float* hw,
+                                            const float* hin, float* hout, float* cbuf) {
   using T = Tr<D>;
   using S = typename T::S;
   constexpr int G = gates_of(kCell);
-  constexpr int U = kStepUnits<kCell>;
-  static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "the rows round k0 down to a multiple");
-  __shared__ float sums[U][G][kCols];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int H = p.H, B = p.B;
-  const long long chunks = step_unit_chunks<kCell>(p);
-  const int u0 = static_cast<int>(blockIdx.x % chunks) * U;
-  const int b0 = static_cast<int>(blockIdx.x / chunks) * kCols;
-  const int ncols = min(kCols, B - b0);
-  const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
-  float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
-  auto h_at = [&](long long i) {
-    if constexpr (kOneStep) return T::to_f(static_cast<const S*>(p.h0)[i]);
-    else return hin[i];
-  };
-  const bool running = s < max_seq_len(p, b0, b0 + ncols);  // any column of the block
-  // One-step calls of up to 4 columns gather without branches: each column's h by its own base
-  // pointer, one wide multiply-add from the nonzero's column where (b0 + j) * H + column took
-  // five instructions and reloads of H and h0, and a select instead of a predicate: ~12 SASS
-  // instructions per gather became 7. One-step fp16 us per launch (session 84, step_kernel_probe
-  // calls 1 and 6): B=1 LSTM H=4096 19.2 -> 16.6, ReLU H=5760 10.3 -> 8.2; B=4 about even (32.6
-  // -> 32.4 and 33.7 -> 33.4; 17.2 -> 17.9 and 19.8 -> 18.1). With 8 columns the 8 pointers
-  // spill or cost occupancy (B=8 53.7 -> 55.6, B=16 95.2 -> 105.1) and the loop steps were no
-  // faster, so those keep the predicated gathers.
-  constexpr bool kSelect = kCols <= kSelectCols;
-  using HIn = pick_t<kOneStep, S, float>;  // h_{t-1}: the call's h0 or the workspace
-  const HIn* hcol[kCols];  // the select's h_{t-1} of each column
-  if constexpr (kSelect) {
-    const HIn* hbase;
-    if constexpr (kOneStep) hbase = static_cast<const S*>(p.h0);
-    else hbase = hin;
-#pragma unroll
-    for (int j = 0; j < kCols; ++j)
-      hcol[j] = hbase + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
-  }
-  auto to_f = [](HIn v) {
-    if constexpr (kOneStep) return T::to_f(v);
-    else return v;
-  };
-
-  // Rows: warp w sums gate w % G of unit u0 + w / G for every column.
-  if (const int u = u0 + warp / G; running && u < H) {
-    float a[kCols];
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
-    const S* vals = static_cast<const S*>(p.values);
-    const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
-    const long long r = static_cast<long long>(u) * G + warp % G;
-    const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
-    constexpr int kPass = 32 * kVec;
-    for (int k = (k0 & -kVec) + lane * kVec; k < k1; k += kPass * kUnroll) {
-      float w[kUnroll][kVec];
-      int c[kUnroll][kVec];
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q)
-        load_nonzeros<D, kVec>(vals, p.col_idx, aligned, k + q * kPass, k0, k1, w[q], c[q]);
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q) {
-#pragma unroll
-        for (int v = 0; v < kVec; ++v) {
-          // A nonzero outside the row gathers column 0 and its sum is dropped by the select, not
-          // by 0 * h (h may be inf). Columns past ncols repeat the last one, unused.
-          const bool in = c[q][v] >= 0;
-          const int col = in ? c[q][v] : 0;
-#pragma unroll
-          for (int j = 0; j < kCols; ++j) {
-            if constexpr (kSelect) {
-              const float sum = fmaf(w[q][v], to_f(hcol[j][col]), a[j]);
-              a[j] = in ? sum : a[j];
-            } else if (j < ncols && in) {
-              a[j] = fmaf(w[q][v], h_at(static_cast<long long>(b0 + j) * H + col), a[j]);
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      if (j < ncols) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
-        if (lane == 0) sums[warp / G][warp % G][j] = a[j];
-      }
-    }
-  }
-  __syncthreads();
-
-  // Updates: a thread per (unit, column).
-  if (threadIdx.x >= U * kCols) return;
-  const int j = threadIdx.x % kCols, u = u0 + threadIdx.x / kCols;
-  if (j >= ncols || u >= H) return;
-  const int b = b0 + j;
-  float hw[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) hw[g] = sums[u - u0][g][j];
   const int len = seq_len(p, b);
   const long long bi = static_cast<long long>(b) * H + u;
-  const float hprev = h_at(bi);
   if (s >= len) {  // (its sums were not computed where no column of the block runs)
     if constexpr (kOneStep) {  // a sequence of length 0 keeps its initial state, bit for bit
       static_cast<S*>(p.hT)[bi] = static_cast<const S*>(p.h0)[bi];
       if constexpr (kCell == Cell::kLstm)
         static_cast<S*>(p.cT)[bi] = static_cast<const S*>(p.c0)[bi];
     } else {
-      hout[bi] = hprev;
+      hout[bi] = hin[bi];
     }
     const long long o = (static_cast<long long>(s) * B + b) * H + u;
     static_cast<S*>(p.ys)[o] = T::from_f(0.0f);
@@ -240,6 +187,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
     else cbuf[bi] = c;
     static_cast<S*>(p.cs)[o] = T::from_f(c);
   } else if constexpr (kCell == Cell::kGru) {
+    const float hprev = kOneStep ? T::to_f(static_cast<const S*>(p.h0)[bi]) : hin[bi];
     hnew = gru_step(x, hw, T::to_f(static_cast<const S*>(p.b_hn)[u]), hprev);
   } else {
     hnew = p.activation ? rnn_step<Cell::kRnnRelu>(x[0], hw[0]) : rnn_step<Cell::kRnnTanh>(x[0], hw[0]);
@@ -247,6 +195,158 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   if constexpr (kOneStep) static_cast<S*>(p.hT)[bi] = T::from_f(hnew);
   else hout[bi] = hnew;
   static_cast<S*>(p.ys)[o] = T::from_f(hnew);
+}
+
+// h_{t-1} as the step reads it: the call's h0 (kOneStep) or the float32 workspace.
+template <DType D, bool kOneStep>
+using StepH = pick_t<kOneStep, typename Tr<D>::S, float>;
+
+// The updates of a block's units u0 .. u0 + U - 1 and columns b0 .. b0 + ncols - 1: a thread per
+// (unit, column), after row_sums filled sums[U][G][kCols] (and a barrier).
+template <Cell kCell, DType D, bool kOneStep, int U, int kCols>
+__device__ __forceinline__ void update_block(const Params& p, int s, int u0, int b0, int ncols,
+                                             const float* sums, const float* hin, float* hout,
+                                             float* cbuf) {
+  constexpr int G = gates_of(kCell);
+  if (threadIdx.x >= U * kCols) return;
+  const int j = threadIdx.x % kCols, u = u0 + threadIdx.x / kCols;
+  if (j >= ncols || u >= p.H) return;
+  float hw[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) hw[g] = sums[((u - u0) * G + g) * kCols + j];
+  update_unit<kCell, D, kOneStep>(p, s, b0 + j, u, hw, hin, hout, cbuf);
+}
+
+// kOneStep: a call of one step (T = 1) as this single launch (handlers.cu): h_{-1} and c are
+// read from the call's h0 and c0 and the new state is written to hT and cT, so it needs no
+// workspace, no step_init / step_final and, having no wait, no sync check.
+// (kMinBlocks keeps at least 36 warps per SM: the rows wait on global loads, and without it a
+// warp's 8 column sums took 66 registers, 3 blocks of 8 warps per SM. sm_90, kStepVec 4: at
+// most 48 registers for 5 blocks of 8 warps, 56 for the GRU's 6 blocks of 6, no spills.)
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
+          int kUnroll = kStepUnroll, int kMinBlocks = kStepMinBlocks<kCell>,
+          int kSelectCols = kStepSelectCols>
+__global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
+    step_fwd(Params p, int s, float* hbuf, float* cbuf) {
+  using T = Tr<D>;
+  using HIn = StepH<D, kOneStep>;
+  constexpr int G = gates_of(kCell);
+  constexpr int U = kStepUnits<kCell>;
+  __shared__ float sums[U * G * kCols];
+  const int H = p.H, B = p.B;
+  const long long chunks = step_unit_chunks<kCell>(p);
+  const int u0 = static_cast<int>(blockIdx.x % chunks) * U;
+  const int b0 = static_cast<int>(blockIdx.x / chunks) * kCols;
+  const int ncols = min(kCols, B - b0);
+  const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
+  float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
+  // h_{t-1} (a base of b0's row made the LSTM one-step build spill 32 bytes, sm_90)
+  const HIn* hprev = static_cast<const HIn*>(kOneStep ? p.h0 : static_cast<const void*>(hin));
+  auto to_f = [](HIn v) {
+    if constexpr (kOneStep) return T::to_f(v);
+    else return v;
+  };
+  // Blocks of up to 4 columns gather without branches: each column's h by its own base
+  // pointer, one wide multiply-add from the nonzero's column where (b0 + j) * H + column took
+  // five instructions and reloads of H and h0, and a select instead of a predicate: ~12 SASS
+  // instructions per gather became 7. One-step fp16 us per launch (session 84, step_kernel_probe
+  // calls 1 and 6): B=1 LSTM H=4096 19.2 -> 16.6, ReLU H=5760 10.3 -> 8.2; B=4 about even (32.6
+  // -> 32.4 and 33.7 -> 33.4; 17.2 -> 17.9 and 19.8 -> 18.1); loop steps (session 85, call 2)
+  // B=4 ReLU H=5760 28.5 -> 23.9, LSTM H=4096 44.7 -> 44.1, B=1 10.5 -> 9.6 and 20.4 -> 19.0.
+  // With 8 columns the 8 pointers spill or cost occupancy (B=8 53.7 -> 55.6, B=16 95.2 ->
+  // 105.1) and the loop steps were no faster, so those keep the predicated gathers.
+  constexpr bool kSelect = kCols <= kSelectCols;
+  const HIn* hcol[kCols];  // the select's h_{t-1} of each column
+  if constexpr (kSelect) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+      hcol[j] = hprev + static_cast<long long>(b0 + min(j, ncols - 1)) * H;
+  }
+  if (s < max_seq_len(p, b0, b0 + ncols)) {  // any column of the block runs step s
+    row_sums<kCell, D, kCols, kVec, kUnroll>(
+        p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) {
+            if constexpr (kSelect) {
+              const float sum = fmaf(w, to_f(hcol[j][col]), a[j]);
+              a[j] = in ? sum : a[j];
+            } else if (j < ncols && in) {
+              a[j] = fmaf(w, to_f(hprev[static_cast<long long>(b0 + j) * H + col]), a[j]);
+            }
+          }
+        });
+  }
+  __syncthreads();
+  update_block<kCell, D, kOneStep, U, kCols>(p, s, u0, b0, ncols, sums, hin, hout, cbuf);
+}
+
+// ---- the staged per-step kernel: h_{t-1} on chip --------------------------------------------
+//
+// step_fwd gathers h_{t-1} from global memory (L1 hits, each column its own load), and at
+// B = 4 is bound by those loads (ncu, session 83). step_fwd_staged copies the h_{t-1} of its
+// kCols columns into shared memory once, interleaved (h[col][j]), so a nonzero takes one load of
+// all its columns' values, and then loops over unit chunks: blocks of 32 warps, one per SM
+// (grid of step_staged_grid blocks). Used where that copy fits kStagedMaxBytes
+// (step_staged_bytes).
+template <Cell kCell>
+constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
+
+template <Cell kCell>
+constexpr int staged_threads() { return 32 * gates_of(kCell) * kStagedUnits<kCell>; }
+
+constexpr long long kStagedMaxBytes = 48 * 1024;  // without raising the kernel's limit
+
+template <DType D>
+__host__ __device__ inline long long step_staged_bytes(const Params& p, int cols, bool one_step) {
+  const long long elem = one_step ? static_cast<long long>(sizeof(typename Tr<D>::S)) : 4;
+  return static_cast<long long>(p.H) * cols * elem;
+}
+
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec>
+__global__ void __launch_bounds__(staged_threads<kCell>(), 1)
+    step_fwd_staged(Params p, int s, float* hbuf, float* cbuf) {
+  using HIn = StepH<D, kOneStep>;
+  constexpr DType kHType = kOneStep ? D : DType::kF32;
+  constexpr int G = gates_of(kCell);
+  constexpr int U = kStagedUnits<kCell>;
+  extern __shared__ __align__(16) unsigned char step_staged_smem[];
+  HIn* h_s = reinterpret_cast<HIn*>(step_staged_smem);  // [H][kCols]
+  __shared__ float sums[U * G * kCols];
+  const int H = p.H, B = p.B;
+  const int groups = (B + kCols - 1) / kCols;
+  const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
+  const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
+  const int ncols = min(kCols, B - b0);
+  const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
+  float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
+  const HIn* hprev = static_cast<const HIn*>(kOneStep ? p.h0 : static_cast<const void*>(hin));
+  // Coalesced reads of each column's row; columns past ncols are zero (never summed).
+  for (int i = threadIdx.x; i < kCols * H; i += blockDim.x) {  // (< kStagedMaxBytes entries)
+    const int j = i / H, col = i % H;
+    h_s[static_cast<long long>(col) * kCols + j] =
+        j < ncols ? hprev[static_cast<long long>(b0 + j) * H + col] : HIn{};
+  }
+  __syncthreads();
+  const bool running = s < max_seq_len(p, b0, b0 + ncols);
+  const long long chunks = (H + U - 1) / U;
+  for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
+    const int u0 = static_cast<int>(chunk) * U;
+    if (running) {
+      row_sums<kCell, D, kCols, kVec, 1>(
+          p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
+            float h[kCols];
+            load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) {
+              const float sum = fmaf(w, h[j], a[j]);
+              a[j] = in ? sum : a[j];
+            }
+          });
+    }
+    __syncthreads();
+    update_block<kCell, D, kOneStep, U, kCols>(p, s, u0, b0, ncols, sums, hin, hout, cbuf);
+    __syncthreads();  // sums are rewritten by the next chunk
+  }
 }
 
 #if !defined(__CUDACC_RTC__)
@@ -259,6 +359,45 @@ auto step_kernel(int cols) {
     case 4: return &step_fwd<C, D, kOneStep, 4, kVec, kUnroll, kMinBlocks, kSelectCols>;
     default: return &step_fwd<C, D, kOneStep, 8, kVec, kUnroll, kMinBlocks, kSelectCols>;
   }
+}
+
+// step_fwd_staged for a block of `cols` batch columns.
+template <Cell C, DType D, bool kOneStep, int kVec = kStepVec>
+auto step_staged_kernel(int cols) {
+  switch (cols) {
+    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec>;
+    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec>;
+    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec>;
+  }
+}
+
+// Blocks of step_fwd_staged for a step: per column group as many as `sms` allows (at least one),
+// each looping over its share of the unit chunks.
+template <Cell kCell>
+inline long long step_staged_grid(const Params& p, int cols, int sms) {
+  const long long groups = (p.B + cols - 1) / cols;
+  const long long chunks = (p.H + kStagedUnits<kCell> - 1) / kStagedUnits<kCell>;
+  const long long per_group = std::max(1LL, std::min(chunks, sms / groups));
+  return groups * per_group;
+}
+
+// How a step launches: step_fwd_staged where its copy of h_{t-1} fits in kStagedMaxBytes and
+// `sms` > 0 (the GPU's SM count; 0 turns it off), else step_fwd.
+struct StepLaunch {
+  void (*kernel)(Params, int, float*, float*);
+  long long blocks;
+  int threads;
+  long long smem;
+};
+
+template <Cell C, DType D, bool kOneStep>
+StepLaunch step_launch(const Params& p, int sms) {
+  const int cols = step_cols(p.B);
+  if (const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
+      sms > 0 && bytes <= kStagedMaxBytes)
+    return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, sms),
+            staged_threads<C>(), bytes};
+  return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0};
 }
 #endif
 
