@@ -166,14 +166,43 @@ def test_one_step_calls(cell, dtype):
     assert _ffi.cuda_module.one_step_calls() == calls + len(ONE_STEP_SHAPES)
 
 
+def staged_fits(shape, dtype, one_step):
+    """Whether the staged per-step kernel's copy of h (H x the block's 1, 4 or 8 columns, in the
+    call's dtype for one-step calls, else float32) fits its 48 KB (step_kernels.cuh)."""
+    _, batch, hidden, _, _ = shape
+    cols = 1 if batch <= 1 else 4 if batch <= 4 else 8
+    return hidden * cols * (jnp.dtype(dtype).itemsize if one_step else 4) <= 48 * 1024
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
-def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype):
+def test_staged_step_kernel(cell, dtype, monkeypatch):
+    """The staged per-step kernel (h of the block's columns copied into shared memory once, the
+    blocks looping over unit chunks) runs by default only on large layers; forced wherever it
+    fits, it must match the oracle on the one-step shapes and, as loop steps, variant 4's."""
+    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", "2")
+    staged = _ffi.cuda_module.staged_steps()
+    want = 0
+    for n, shape in enumerate(ONE_STEP_SHAPES):
+        check(cell, dtype, shape, -1, n, activation="relu" if cell == "rnn" and n % 2 else "tanh")
+        want += staged_fits(shape, dtype, True)
+    for n, shape in enumerate(SHAPES):
+        check(cell, dtype, shape, 4, n)
+        want += shape[0] * staged_fits(shape, dtype, False)
+    assert _ffi.cuda_module.staged_steps() == staged + want
+
+
+@pytest.mark.parametrize("staged", ["1", "2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype, staged, monkeypatch):
     # One-step calls of up to 4 columns gather without branches (step_kernels.cuh): a lane past
     # its row's end reads column 0 and a select drops its sum. So a NaN in h0's unit 0 must show
     # in exactly the units with a nonzero in column 0 (oracle.h0_nan_reach), in blocks of 1, 4
-    # (two in use) and 8 columns; the other sequences match the oracle.
-    calls = _ffi.cuda_module.one_step_calls()
+    # (two in use) and 8 columns; the other sequences match the oracle. The same in the staged
+    # kernel (forced: SPRNN_CUDA_STEP_STAGED=2), whose lanes past the row read column 0 too.
+    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", staged)
+    calls, staged_steps = _ffi.cuda_module.one_step_calls(), _ffi.cuda_module.staged_steps()
     cases = [(1, 300, 0.05), (4, 129, 0.1), (2, 517, 0.02), (6, 200, 0.05)]
     for n, (batch, hidden, density) in enumerate(cases):
         rng = np.random.default_rng(300 + n)
@@ -192,6 +221,7 @@ def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype):
         err = oracle.others_error(ys, p, p["xp"], cell, b, ("tanh", "relu")[act])
         assert err < oracle.RTOL[dtype], f"rel error {err:.3g} of the other sequences, {dtype}"
     assert _ffi.cuda_module.one_step_calls() == calls + len(cases)  # all by the per-step kernel
+    assert _ffi.cuda_module.staged_steps() == staged_steps + (len(cases) if staged == "2" else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

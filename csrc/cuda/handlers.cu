@@ -670,18 +670,27 @@ cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const 
   return cudaSuccess;
 }
 
-// The per-step kernels (launch.cuh run_steps). SPRNN_CUDA_STEP_STAGED=0 keeps them off the
-// staged kernel (step_kernels.cuh step_fwd_staged), e.g. to test or time step_fwd alone.
+// Launches of the staged per-step kernel (step_kernels.cuh step_fwd_staged; the tests read it).
+std::atomic<long long> g_staged_steps{0};
+
+// The per-step kernels (launch.cuh run_steps). SPRNN_CUDA_STEP_STAGED: 0 keeps them off the
+// staged kernel (step_kernels.cuh step_fwd_staged), 2 runs it wherever it fits (StepConfig).
 cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
                       cudaStream_t s, bool one_step = false) {
   int dev = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  const int sms = env_int("SPRNN_CUDA_STEP_STAGED", 1) != 0 ? device_info(dev).sms : 0;
+  StepConfig cfg;
+  cfg.sms = device_info(dev).sms;
+  cfg.staged = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_STEP_STAGED", 1), 0, 2));
+  int staged = 0;
+  cudaError_t e;
   switch (cell) {
-    case Cell::kLstm: return run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step, sms);
-    case Cell::kGru: return run_steps_gru(dtype, p, hbuf, cbuf, s, one_step, sms);
-    default: return run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step, sms);
+    case Cell::kLstm: e = run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step, cfg, &staged); break;
+    case Cell::kGru: e = run_steps_gru(dtype, p, hbuf, cbuf, s, one_step, cfg, &staged); break;
+    default: e = run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step, cfg, &staged); break;
   }
+  g_staged_steps.fetch_add(staged);
+  return e;
 }
 
 // ---- the handler --------------------------------------------------------------------------------
@@ -1144,6 +1153,9 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("step_fallbacks", []() { return sprnn::cuda::g_step_fallbacks.load(); },
         "Calls so far that were planned on the persistent kernel but ran the per-step fallback "
         "because the GPU would not take the launch (warned once on stderr).");
+  m.def("staged_steps", []() { return sprnn::cuda::g_staged_steps.load(); },
+        "Launches of the staged per-step kernel so far (h of the step's batch columns copied "
+        "into shared memory; SPRNN_CUDA_STEP_STAGED=0 turns it off, 2 runs it wherever it fits).");
   m.def("one_step_calls", []() { return sprnn::cuda::g_one_step_calls.load(); },
         "Calls of one step (T = 1, the default variant) so far, each run as a single launch of "
         "the per-step kernel instead of the persistent kernel.");

@@ -87,28 +87,30 @@ KernelFn cluster_kernel(int bt) {
   }
 }
 
-// One step as one launch of step_launch's choice.
+// One step as one launch of step_launch's choice; counts the staged ones in *staged.
 inline cudaError_t launch_step(const StepLaunch& l, const Params& p, int s, float* hbuf,
-                               float* cbuf, cudaStream_t stream) {
+                               float* cbuf, cudaStream_t stream, int* staged) {
   if (l.blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   l.kernel<<<static_cast<unsigned>(l.blocks), l.threads, static_cast<size_t>(l.smem), stream>>>(
       p, s, hbuf, cbuf);
+  *staged += l.staged ? 1 : 0;
   return cudaGetLastError();
 }
 
-// sms: the GPU's SM count for the staged kernel, 0 for step_fwd only (step_launch).
+// *staged: the launches of step_fwd_staged (step_launch).
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
-                      bool one_step, int sms) {
+                      bool one_step, const StepConfig& cfg, int* staged) {
   const long long n = static_cast<long long>(p.B) * p.H;
   if (one_step)  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    return launch_step(step_launch<C, D, true>(p, sms), p, 0, nullptr, nullptr, stream);
+    return launch_step(step_launch<C, D, true>(p, cfg), p, 0, nullptr, nullptr, stream, staged);
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const StepLaunch step = step_launch<C, D, false>(p, sms);
+  const StepLaunch step = step_launch<C, D, false>(p, cfg);
   for (int s = 0; s < p.T; ++s)
-    if (cudaError_t e = launch_step(step, p, s, hbuf, cbuf, stream); e != cudaSuccess) return e;
+    if (cudaError_t e = launch_step(step, p, s, hbuf, cbuf, stream, staged); e != cudaSuccess)
+      return e;
   step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);
   return cudaGetLastError();
 }
@@ -121,7 +123,7 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
                                   Words words, bool mma, bool relu);                      \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
-                               cudaStream_t s, bool one_step, int sms);
+                               cudaStream_t s, bool one_step, const StepConfig& cfg, int* staged);
 SPRNN_CELL_ENTRY(rnn)
 SPRNN_CELL_ENTRY(lstm)
 SPRNN_CELL_ENTRY(gru)
@@ -143,9 +145,10 @@ SPRNN_CELL_ENTRY(gru)
     return by_dtype(dtype, [&](auto d) { return cluster_kernel<C, decltype(d)::value>(bt); }); \
   }                                                                                      \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,      \
-                               cudaStream_t s, bool one_step, int sms) {                 \
+                               cudaStream_t s, bool one_step, const StepConfig& cfg,     \
+                               int* staged) {                                            \
     return by_dtype(dtype, [&](auto d) {                                                 \
-      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step, sms);          \
+      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step, cfg, staged);  \
     });                                                                                  \
   }
 

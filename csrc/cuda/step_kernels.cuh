@@ -286,8 +286,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 // B = 4 is bound by those loads (ncu, session 83). step_fwd_staged copies the h_{t-1} of its
 // kCols columns into shared memory once, interleaved (h[col][j]), so a nonzero takes one load of
 // all its columns' values, and then loops over unit chunks: blocks of 32 warps, one per SM
-// (grid of step_staged_grid blocks). Used where that copy fits kStagedMaxBytes
-// (step_staged_bytes).
+// (grid of step_staged_grid blocks). Where it runs: step_launch.
 template <Cell kCell>
 constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
 
@@ -381,23 +380,39 @@ inline long long step_staged_grid(const Params& p, int cols, int sms) {
   return groups * per_group;
 }
 
-// How a step launches: step_fwd_staged where its copy of h_{t-1} fits in kStagedMaxBytes and
-// `sms` > 0 (the GPU's SM count; 0 turns it off), else step_fwd.
+// Where the per-step kernels run (run_steps): the GPU's SM count (step_fwd_staged's grid) and
+// staged = 0 for step_fwd only, 1 (the default) for step_fwd_staged where it wins, 2 for
+// step_fwd_staged wherever its copy of h_{t-1} fits (the tests).
+struct StepConfig {
+  int sms = 0;
+  int staged = 1;
+};
+
+// How a step launches: step_fwd_staged or step_fwd (`staged` says which).
 struct StepLaunch {
   void (*kernel)(Params, int, float*, float*);
   long long blocks;
   int threads;
   long long smem;
+  bool staged;
 };
 
+// step_fwd_staged where its copy fits in kStagedMaxBytes and (by default) where it wins: blocks
+// of 4 or 8 columns with at least two unit chunks per SM. fp16 us per launch (session 85,
+// step_kernel_probe call 4), step_fwd -> staged: B=4 LSTM H=4096 (512 chunks) 34.1 -> 24.8, ReLU
+// H=5760 (180 chunks, two rounds on 48 SMs) 18.1 -> 18.9, LSTM H=1024 (128 chunks: the copy not
+// amortised) 6.6 -> 7.1, ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; B=1, where step_fwd
+// gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4 and ReLU H=5760 8.1 -> 11.5.
 template <Cell C, DType D, bool kOneStep>
-StepLaunch step_launch(const Params& p, int sms) {
+StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
-  if (const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
-      sms > 0 && bytes <= kStagedMaxBytes)
-    return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, sms),
-            staged_threads<C>(), bytes};
-  return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0};
+  const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
+  const long long chunks = (p.H + kStagedUnits<C> - 1) / kStagedUnits<C>;
+  const bool wins = cols >= 4 && chunks >= 2LL * cfg.sms;
+  if (cfg.sms > 0 && bytes <= kStagedMaxBytes && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
+    return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, cfg.sms),
+            staged_threads<C>(), bytes, true};
+  return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};
 }
 #endif
 

@@ -91,7 +91,10 @@ weights off / on for 16-bit batch tiles of 4 without the deep gather), ``SPRNN_C
 (0 turns the 16-bit float words off, 1 forces them beside the register weights even where
 nonzeros then stay in L2), ``SPRNN_CUDA_OFFSET_WORDS`` (0 turns the offset words off:
 column words), ``SPRNN_CUDA_W_CAP`` (tests: at most this many words of nonzeros
-and row offsets per block on chip, so the rest run from L2).
+and row offsets per block on chip, so the rest run from L2),
+``SPRNN_CUDA_STEP_STAGED`` (the per-step kernel of one-step calls, variant 4 and layers off chip:
+0 never copies h into shared memory, 1 does where that wins, on large layers, 2 wherever the
+copy fits in 48 KB).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
@@ -157,6 +160,7 @@ USER_KNOBS = {
     "SPRNN_CUDA_MMA": (-1, 0, 1),  # -1: the planner's choice
     "SPRNN_CUDA_BT": (0, 1, 2, 4, 8, 16, 32, 64),  # 0: the planner's choice
     "SPRNN_CUDA_VARIANT": tuple(sorted(VARIANTS.values())),
+    "SPRNN_CUDA_STEP_STAGED": (0, 1, 2),  # the staged per-step kernel: off, where it wins, forced
 }
 
 
