@@ -40,7 +40,8 @@
 # func-attr: benchmarks/func_attr_probe.cu (whether a kernel's raised shared-memory limit holds on
 #   a second GPU; needs two).
 # step-kernel: benchmarks/step_kernel_probe.cu (the per-step kernel's row loads on one-step calls:
-#   nonzeros per load, loads in flight, blocks per SM; and the default as a loop step).
+#   nonzeros per load, loads in flight, blocks per SM; loop steps; step_fwd against the staged
+#   kernel, h in shared memory).
 # multi-gpu: tests/test_multi_gpu.py after the build (each GPU runs the persistent kernel; a
 #   batch sharded over all of them); needs two or more GPUs, e.g. the kind nvidia-h200-x2.
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
