@@ -192,6 +192,20 @@ def test_staged_step_kernel(cell, dtype, monkeypatch):
     assert _ffi.cuda_module.staged_steps() == staged + want
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_staged_step_kernel_by_default(dtype, monkeypatch):
+    """By default the staged kernel runs on large layers only (step_kernels.cuh step_launch): a
+    one-step LSTM H=4096 call at B=4 (512 chunks of 8 units, two per SM on GPUs of up to 256
+    SMs; a 32 KB copy of h), not at B=1 nor at H=1152."""
+    monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
+    cases = [((1, 4, 4096, 0.1, "uniform"), 1), ((1, 1, 4096, 0.1, "uniform"), 0),
+             ((1, 4, 1152, 0.1, "uniform"), 0)]
+    for n, (shape, want) in enumerate(cases):
+        staged = _ffi.cuda_module.staged_steps()
+        check("lstm", dtype, shape, -1, n)
+        assert _ffi.cuda_module.staged_steps() == staged + want, f"{shape} {dtype}"
+
+
 @pytest.mark.parametrize("staged", ["1", "2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)

@@ -282,11 +282,12 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 
 // ---- the staged per-step kernel: h_{t-1} on chip --------------------------------------------
 //
-// step_fwd gathers h_{t-1} from global memory (L1 hits, each column its own load), and at
-// B = 4 is bound by those loads (ncu, session 83). step_fwd_staged copies the h_{t-1} of its
-// kCols columns into shared memory once, interleaved (h[col][j]), so a nonzero takes one load of
-// all its columns' values, and then loops over unit chunks: blocks of 32 warps, one per SM
-// (grid of step_staged_grid blocks). Where it runs: step_launch.
+// step_fwd gathers h_{t-1} from global memory (L1 hits, each column its own load): at B = 4
+// most of its issue slots and memory pipes go to those gathers (ncu, session 83).
+// step_fwd_staged copies the h_{t-1} of its kCols columns into shared memory once, interleaved
+// (h[col][j]), so a nonzero takes one load of all its columns' values, and then loops over unit
+// chunks: blocks of 32 warps, one per SM (grid of step_staged_grid blocks), so that the copy is
+// made once per SM, not once per 8 units. Where it runs: step_launch.
 template <Cell kCell>
 constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
 
