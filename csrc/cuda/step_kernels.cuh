@@ -294,7 +294,9 @@ constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
 template <Cell kCell>
 constexpr int staged_threads() { return 32 * gates_of(kCell) * kStagedUnits<kCell>; }
 
-constexpr long long kStagedMaxBytes = 48 * 1024;  // without raising the kernel's limit
+// The copy's limit without raising the kernel's: a block's static and dynamic shared memory
+// together may take 48 KB, and its static `sums` take at most 1 KB.
+constexpr long long kStagedMaxBytes = 47 * 1024;
 
 template <DType D>
 __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols, bool one_step) {
@@ -312,6 +314,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   extern __shared__ __align__(16) unsigned char step_staged_smem[];
   HIn* h_s = reinterpret_cast<HIn*>(step_staged_smem);  // [H][kCols]
   __shared__ float sums[U * G * kCols];
+  static_assert(sizeof(sums) <= 48 * 1024 - kStagedMaxBytes, "the copy's limit leaves 1 KB");
   const int H = p.H, B = p.B;
   const int groups = (B + kCols - 1) / kCols;
   const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
