@@ -197,9 +197,24 @@ __device__ __forceinline__ void update_unit(const Params& p, int s, int b, int u
   static_cast<S*>(p.ys)[o] = T::from_f(hnew);
 }
 
-// h_{t-1} as the step reads it: the call's h0 (kOneStep) or the float32 workspace.
+// The type of h_{t-1} as the step reads it: the call's (h0, kOneStep) or float32 (the workspace).
 template <DType D, bool kOneStep>
-using StepH = pick_t<kOneStep, typename Tr<D>::S, float>;
+constexpr DType kStepHType = kOneStep ? D : DType::kF32;
+
+// A loop step's half `half` (s: h_{t-1}, read; s + 1: h_t, written) of the workspace's
+// double-buffered h; none for a one-step call.
+template <bool kOneStep>
+__device__ __forceinline__ float* workspace_h(const Params& p, float* hbuf, int half) {
+  return kOneStep ? nullptr : hbuf + (half & 1) * static_cast<long long>(p.B) * p.H;
+}
+
+// h_{t-1} of every column: the call's h0 or the workspace's half `hin`.
+template <DType D, bool kOneStep>
+__device__ __forceinline__ const typename Tr<kStepHType<D, kOneStep>>::S* step_hprev(
+    const Params& p, const float* hin) {
+  using HIn = typename Tr<kStepHType<D, kOneStep>>::S;
+  return static_cast<const HIn*>(kOneStep ? p.h0 : static_cast<const void*>(hin));
+}
 
 // The updates of a block's units u0 .. u0 + U - 1 and columns b0 .. b0 + ncols - 1: a thread per
 // (unit, column), after row_sums filled sums[U][G][kCols] (and a barrier).
@@ -228,8 +243,8 @@ template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
           int kSelectCols = kStepSelectCols>
 __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
     step_fwd(Params p, int s, float* hbuf, float* cbuf) {
-  using T = Tr<D>;
-  using HIn = StepH<D, kOneStep>;
+  using TH = Tr<kStepHType<D, kOneStep>>;
+  using HIn = typename TH::S;
   constexpr int G = gates_of(kCell);
   constexpr int U = kStepUnits<kCell>;
   __shared__ float sums[U * G * kCols];
@@ -238,14 +253,10 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   const int u0 = static_cast<int>(blockIdx.x % chunks) * U;
   const int b0 = static_cast<int>(blockIdx.x / chunks) * kCols;
   const int ncols = min(kCols, B - b0);
-  const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
-  float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
-  // h_{t-1} (a base of b0's row made the LSTM one-step build spill 32 bytes, sm_90)
-  const HIn* hprev = static_cast<const HIn*>(kOneStep ? p.h0 : static_cast<const void*>(hin));
-  auto to_f = [](HIn v) {
-    if constexpr (kOneStep) return T::to_f(v);
-    else return v;
-  };
+  const float* hin = workspace_h<kOneStep>(p, hbuf, s);
+  float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
+  // (a base of b0's row made the LSTM one-step build spill 32 bytes, sm_90)
+  const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
   // Blocks of up to 4 columns gather without branches: each column's h by its own base
   // pointer, one wide multiply-add from the nonzero's column where (b0 + j) * H + column took
   // five instructions and reloads of H and h0, and a select instead of a predicate: ~12 SASS
@@ -268,10 +279,10 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 #pragma unroll
           for (int j = 0; j < kCols; ++j) {
             if constexpr (kSelect) {
-              const float sum = fmaf(w, to_f(hcol[j][col]), a[j]);
+              const float sum = fmaf(w, TH::to_f(hcol[j][col]), a[j]);
               a[j] = in ? sum : a[j];
             } else if (j < ncols && in) {
-              a[j] = fmaf(w, to_f(hprev[static_cast<long long>(b0 + j) * H + col]), a[j]);
+              a[j] = fmaf(w, TH::to_f(hprev[static_cast<long long>(b0 + j) * H + col]), a[j]);
             }
           }
         });
@@ -294,6 +305,11 @@ constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
 template <Cell kCell>
 constexpr int staged_threads() { return 32 * gates_of(kCell) * kStagedUnits<kCell>; }
 
+template <Cell kCell>
+__host__ __device__ inline long long staged_unit_chunks(const Params& p) {
+  return (p.H + kStagedUnits<kCell> - 1) / kStagedUnits<kCell>;
+}
+
 // The copy's limit without raising the kernel's: a block's static and dynamic shared memory
 // together may take 48 KB, and its static `sums` take at most 1 KB.
 constexpr long long kStagedMaxBytes = 47 * 1024;
@@ -307,8 +323,8 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec>
 __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
     step_fwd_staged(Params p, int s, float* hbuf, float* cbuf) {
-  using HIn = StepH<D, kOneStep>;
-  constexpr DType kHType = kOneStep ? D : DType::kF32;
+  constexpr DType kHType = kStepHType<D, kOneStep>;
+  using HIn = typename Tr<kHType>::S;
   constexpr int G = gates_of(kCell);
   constexpr int U = kStagedUnits<kCell>;
   extern __shared__ __align__(16) unsigned char step_staged_smem[];
@@ -320,9 +336,9 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
   const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
   const int ncols = min(kCols, B - b0);
-  const float* hin = kOneStep ? nullptr : hbuf + (s & 1) * static_cast<long long>(B) * H;
-  float* hout = kOneStep ? nullptr : hbuf + ((s + 1) & 1) * static_cast<long long>(B) * H;
-  const HIn* hprev = static_cast<const HIn*>(kOneStep ? p.h0 : static_cast<const void*>(hin));
+  const float* hin = workspace_h<kOneStep>(p, hbuf, s);
+  float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
+  const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
   // Coalesced reads of each column's row; columns past ncols are zero (never summed).
   for (int i = threadIdx.x; i < kCols * H; i += blockDim.x) {  // (< kStagedMaxBytes entries)
     const int j = i / H, col = i % H;
@@ -331,7 +347,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   }
   __syncthreads();
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
-  const long long chunks = (H + U - 1) / U;
+  const long long chunks = staged_unit_chunks<kCell>(p);
   for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
     const int u0 = static_cast<int>(chunk) * U;
     if (running) {
@@ -379,7 +395,7 @@ auto step_staged_kernel(int cols) {
 template <Cell kCell>
 inline long long step_staged_grid(const Params& p, int cols, int sms) {
   const long long groups = (p.B + cols - 1) / cols;
-  const long long chunks = (p.H + kStagedUnits<kCell> - 1) / kStagedUnits<kCell>;
+  const long long chunks = staged_unit_chunks<kCell>(p);
   const long long per_group = std::max(1LL, std::min(chunks, sms / groups));
   return groups * per_group;
 }
@@ -411,8 +427,7 @@ template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
   const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
-  const long long chunks = (p.H + kStagedUnits<C> - 1) / kStagedUnits<C>;
-  const bool wins = cols >= 4 && chunks >= 2LL * cfg.sms;
+  const bool wins = cols >= 4 && staged_unit_chunks<C>(p) >= 2LL * cfg.sms;
   if (cfg.sms > 0 && bytes <= kStagedMaxBytes && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
     return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, cfg.sms),
             staged_threads<C>(), bytes, true};
