@@ -25,47 +25,46 @@
 using sprnn::Cell;
 using sprnn::cuda::DType;
 using sprnn::cuda::Params;
-using Kernel = void (*)(Params, int, float*, float*);
+using sprnn::cuda::StepLaunch;
 
 struct Setting {
   const char* name;
-  Kernel kernel;
-  int cols;  // batch columns per block
+  StepLaunch launch;
   bool one_step;  // else a loop step: h and c in the workspace
-  bool staged;  // step_fwd_staged (grid, threads and shared memory of its own)
 };
 
-// The setting's kernel for B columns (kCols = step_cols(B), as launch.cuh picks it; kCols 8
-// for every B is session 82's kernel).
+// The setting's step_fwd for p's B columns (kCols = step_cols(B), as launch.cuh picks it;
+// kCols 8 for every B is session 82's kernel).
 template <Cell C, int kVec, int kUnroll, int kMinBlocks, bool kEight = false, bool kOne = true,
           int kSelectCols = sprnn::cuda::kStepSelectCols>
-Setting setting(const char* name, int B) {
-  const int cols = kEight ? 8 : sprnn::cuda::step_cols(B);
-  return {name,
-          sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks, kSelectCols>(
-              cols),
-          cols, kOne, false};
+Setting setting(const char* name, const Params& p) {
+  const int cols = kEight ? 8 : sprnn::cuda::step_cols(p.B);
+  const auto kernel =
+      sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks, kSelectCols>(cols);
+  return {name, {kernel, sprnn::cuda::step_blocks<C>(p, cols), sprnn::cuda::step_threads<C>(), 0,
+                 false}, kOne};
 }
 
+int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
+
 template <Cell C, bool kOne>
-Setting staged(const char* name, int B) {
-  const int cols = sprnn::cuda::step_cols(B);
-  return {name, sprnn::cuda::step_staged_kernel<C, DType::kF16, kOne>(cols), cols, kOne, true};
+Setting staged(const char* name, const Params& p) {
+  return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne>(p, g_sms), kOne};
 }
 
 template <Cell C>
-std::vector<Setting> settings(int B) {
+std::vector<Setting> settings(const Params& p) {
   constexpr int m = sprnn::cuda::kStepMinBlocks<C>;
   constexpr int v = sprnn::cuda::kStepVec, x = sprnn::cuda::kStepUnroll;
-  return {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", B),
-          setting<C, 1, 4, m>("vec 1 x4, min blocks 5", B),
-          setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", B),
-          setting<C, 4, 2, m>("vec 4 x2, 5", B),
-          setting<C, 8, 1, m>("vec 8 x1, 5", B),
-          staged<C, true>("staged", B),
-          setting<C, v, x, m, false, false>("loop step, step_fwd", B),
-          setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", B),
-          staged<C, false>("loop step, staged", B)};
+  return {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", p),
+          setting<C, 1, 4, m>("vec 1 x4, min blocks 5", p),
+          setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
+          setting<C, 4, 2, m>("vec 4 x2, 5", p),
+          setting<C, 8, 1, m>("vec 8 x1, 5", p),
+          staged<C, true>("staged", p),
+          setting<C, v, x, m, false, false>("loop step, step_fwd", p),
+          setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
+          staged<C, false>("loop step, staged", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }
@@ -80,7 +79,6 @@ V* upload(const std::vector<V>& host) {
 }
 
 int g_launches = 200, g_only = -1;  // launches per round; the one setting to run (-1: all)
-int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
 
 template <Cell C>
 void run(const char* label, int H, int B, double density, std::mt19937& rng) {
@@ -129,32 +127,27 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
   p.B = B;
   p.H = H;
   p.activation = 1;
-  constexpr int step_threads = sprnn::cuda::step_threads<C>();
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   std::vector<float> first;
-  const std::vector<Setting> all = settings<C>(B);
+  const std::vector<Setting> all = settings<C>(p);
   for (int si = 0; si < static_cast<int>(all.size()); ++si) {
     if (g_only >= 0 && si != g_only) continue;
     const Setting& st = all[si];
     const int kLaunches = g_launches;
-    const long long smem =
-        st.staged ? sprnn::cuda::step_staged_bytes<DType::kF16>(p, st.cols, st.one_step) : 0;
-    if (smem > sprnn::cuda::kStagedMaxBytes)  // (the package does not; is it worth the limit?)
-      CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(st.kernel),
+    const StepLaunch& l = st.launch;
+    if (l.smem > sprnn::cuda::kStagedMaxBytes)  // (the package does not; is it worth the limit?)
+      CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(l.kernel),
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem)));
-    const auto blocks = static_cast<unsigned>(
-        st.staged ? sprnn::cuda::step_staged_grid<C>(p, st.cols, g_sms)
-                  : sprnn::cuda::step_blocks<C>(p, st.cols));
-    const int threads = st.staged ? sprnn::cuda::staged_threads<C>() : step_threads;
+                                 static_cast<int>(l.smem)));
+    const auto blocks = static_cast<unsigned>(l.blocks);
     float* h_ws = st.one_step ? nullptr : hbuf;
     float* c_ws = st.one_step ? nullptr : cbuf;
     std::vector<float> rounds;
     for (int round = 0; round < 6; ++round) {  // round 0 warms up
       CHECK(cudaEventRecord(e0));
-      for (int i = 0; i < kLaunches; ++i) st.kernel<<<blocks, threads, smem>>>(p, 0, h_ws, c_ws);
+      for (int i = 0; i < kLaunches; ++i) l.kernel<<<blocks, l.threads, l.smem>>>(p, 0, h_ws, c_ws);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
@@ -164,7 +157,7 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     }
     std::sort(rounds.begin(), rounds.end());
     CHECK(cudaMemcpy(hbuf, workspace.data(), workspace.size() * 4, cudaMemcpyHostToDevice));
-    st.kernel<<<blocks, threads, smem>>>(p, 0, h_ws, c_ws);
+    l.kernel<<<blocks, l.threads, l.smem>>>(p, 0, h_ws, c_ws);
     CHECK(cudaGetLastError());
     std::vector<uint16_t> out(2 * bh);  // ys and cs: both kinds of step write them
     CHECK(cudaMemcpy(out.data(), p.ys, bh * 2, cudaMemcpyDeviceToHost));

@@ -424,13 +424,19 @@ struct StepLaunch {
 // amortised) 6.6 -> 7.1, ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; B=1, where step_fwd
 // gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4 and ReLU H=5760 8.1 -> 11.5.
 template <Cell C, DType D, bool kOneStep>
+StepLaunch staged_launch(const Params& p, int sms) {
+  const int cols = step_cols(p.B);
+  return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, sms),
+          staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
+}
+
+template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
-  const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
+  const bool fits = step_staged_bytes<D>(p, cols, kOneStep) <= kStagedMaxBytes;
   const bool wins = cols >= 4 && staged_unit_chunks<C>(p) >= 2LL * cfg.sms;
-  if (cfg.sms > 0 && bytes <= kStagedMaxBytes && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
-    return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, cfg.sms),
-            staged_threads<C>(), bytes, true};
+  if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
+    return staged_launch<C, D, kOneStep>(p, cfg.sms);
   return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};
 }
 #endif
