@@ -417,12 +417,7 @@ struct StepLaunch {
   bool staged;
 };
 
-// step_fwd_staged where its copy fits in kStagedMaxBytes and (by default) where it wins: blocks
-// of 4 or 8 columns with at least two unit chunks per SM. fp16 us per launch (session 85,
-// step_kernel_probe call 4), step_fwd -> staged: B=4 LSTM H=4096 (512 chunks) 34.1 -> 24.8, ReLU
-// H=5760 (180 chunks, two rounds on 48 SMs) 18.1 -> 18.9, LSTM H=1024 (128 chunks: the copy not
-// amortised) 6.6 -> 7.1, ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; B=1, where step_fwd
-// gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4 and ReLU H=5760 8.1 -> 11.5.
+// step_fwd_staged's launch for p's columns (whatever its copy's size).
 template <Cell C, DType D, bool kOneStep>
 StepLaunch staged_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
@@ -430,6 +425,12 @@ StepLaunch staged_launch(const Params& p, int sms) {
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
+// step_fwd_staged where its copy fits in kStagedMaxBytes and (by default) where it wins: blocks
+// of 4 or 8 columns with at least two unit chunks per SM. fp16 us per launch (session 85,
+// step_kernel_probe call 4), step_fwd -> staged: B=4 LSTM H=4096 (512 chunks) 34.1 -> 24.8, ReLU
+// H=5760 (180 chunks, two rounds on 48 SMs) 18.1 -> 18.9, LSTM H=1024 (128 chunks: the copy not
+// amortised) 6.6 -> 7.1, ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; B=1, where step_fwd
+// gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4 and ReLU H=5760 8.1 -> 11.5.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
