@@ -34,7 +34,8 @@ import jax_sprnn as sp
 from jax_sprnn.primitives import cuda_lowering
 
 LAYERS = [("lstm", None, 1024, 0.1, jnp.float16), ("lstm", None, 1024, 0.1, jnp.float32),
-          ("rnn", "relu", 1152, 0.1, jnp.float16), ("lstm", None, 4096, 0.1, jnp.float16)]
+          ("rnn", "relu", 1152, 0.1, jnp.float16), ("lstm", None, 4096, 0.1, jnp.float16),
+          ("rnn", "relu", 5760, 0.1, jnp.float16)]
 CHECK_OFF = {"SPRNN_CUDA_SYNC_CHECK": "0"}
 
 

@@ -3,7 +3,8 @@
 The one-step targets (sprnn_<cell>_step) are registered as command-buffer compatible, so with
 ``--xla_gpu_enable_command_buffer`` including WHILE, XLA records a sampling loop's body once
 and replays it: our handler runs when XLA records, not at every iteration. The loop must still
-compute every step. XLA reads XLA_FLAGS once per process, hence the subprocess.
+compute every step, also on the staged per-step kernel with its shared-memory limit raised.
+XLA reads XLA_FLAGS once per process, hence the subprocess.
 """
 
 import json
@@ -29,7 +30,10 @@ def test_sampling_loop_in_a_command_buffer():
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["cell"] for r in rows] == ["rnn", "lstm", "gru"], done.stdout
+    assert [(r["cell"], r["hidden"]) for r in rows] == [
+        ("rnn", 70), ("lstm", 70), ("gru", 70), ("rnn", 1600)], done.stdout
+    # The last case forces the staged kernel (command_buffer_loop.py CASES): it ran.
+    assert [r["staged_launches"] > 0 for r in rows] == [False, False, False, True], rows
     for r in rows:
         # float32 tolerance (oracle.RTOL): every step of the loop ran, on the right state
         assert r["loop_error"] < 2e-5 and r["loop_final_error"] < 2e-5, r

@@ -168,14 +168,16 @@ def test_one_step_calls(cell, dtype):
 
 def staged_fits(shape, dtype, one_step):
     """Whether the staged per-step kernel's copy of h (H x the block's 1, 4 or 8 columns, in the
-    call's dtype for one-step calls, else float32) fits its 47 KB (step_kernels.cuh)."""
+    call's dtype for one-step calls, else float32) fits this GPU's shared memory for a block."""
     _, batch, hidden, _, _ = shape
     cols = 1 if batch <= 1 else 4 if batch <= 4 else 8
-    return hidden * cols * (jnp.dtype(dtype).itemsize if one_step else 4) <= 47 * 1024
+    copy = hidden * cols * (jnp.dtype(dtype).itemsize if one_step else 4)
+    return copy <= _ffi.cuda_module.staged_step_max_bytes()
 
 
-# One-step shapes at the staged kernel's limit for 16-bit blocks of 8 columns: a 47 KB copy, and
-# 48 KB (which with the block's other 1 KB of shared memory would not launch, so step_fwd runs).
+# One-step shapes about the 48 KB a kernel gets without raising its limit, for 16-bit blocks of 8
+# columns: a 47 KB copy, and 48 KB (which with the block's other 1 KB of shared memory needs the
+# limit raised).
 STAGED_EDGE_SHAPES = [(1, 8, 3008, 0.05, "uniform"), (1, 8, 3072, 0.05, "uniform")]
 
 
@@ -197,18 +199,32 @@ def test_staged_step_kernel(cell, dtype, monkeypatch):
     assert _ffi.cuda_module.staged_steps() == staged + want
 
 
+def test_staged_step_kernel_at_the_device_limit(monkeypatch):
+    """Loop steps whose float32 copy of h (8 columns) takes exactly the largest copy this GPU
+    allows run the staged kernel and match the oracle; one unit more runs step_fwd."""
+    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", "2")
+    largest = _ffi.cuda_module.staged_step_max_bytes() // (8 * 4)
+    for n, (hidden, want) in enumerate([(largest, 2), (largest + 1, 0)]):
+        staged = _ffi.cuda_module.staged_steps()
+        check("rnn", "float32", (2, 8, hidden, 0.01, "uniform"), 4, n)
+        assert _ffi.cuda_module.staged_steps() == staged + want, f"H={hidden}"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_staged_step_kernel_by_default(dtype, monkeypatch):
     """By default the staged kernel runs on large layers only (step_kernels.cuh step_launch): a
     one-step LSTM H=4096 call at B=4 (512 chunks of 8 units, two per SM on GPUs of up to 256
-    SMs; a 32 KB copy of h), not at B=1 nor at H=1152."""
+    SMs; a 32 KB copy of h) and at B=8 (a 64 KB copy: the limit raised), ReLU H=5760 at B=8
+    (180 chunks of 32 units, one per SM on GPUs of up to 180 SMs, with 16 bytes of h per
+    nonzero), not at B=1, nor at H=1152."""
     monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
-    cases = [((1, 4, 4096, 0.1, "uniform"), 1), ((1, 1, 4096, 0.1, "uniform"), 0),
-             ((1, 4, 1152, 0.1, "uniform"), 0)]
-    for n, (shape, want) in enumerate(cases):
+    cases = [("lstm", (1, 4, 4096, 0.1, "uniform"), 1), ("lstm", (1, 8, 4096, 0.1, "uniform"), 1),
+             ("lstm", (1, 1, 4096, 0.1, "uniform"), 0), ("lstm", (1, 4, 1152, 0.1, "uniform"), 0),
+             ("rnn", (1, 8, 5760, 0.1, "uniform"), 1)]
+    for n, (cell, shape, want) in enumerate(cases):
         staged = _ffi.cuda_module.staged_steps()
-        check("lstm", dtype, shape, -1, n)
-        assert _ffi.cuda_module.staged_steps() == staged + want, f"{shape} {dtype}"
+        check(cell, dtype, shape, -1, n)
+        assert _ffi.cuda_module.staged_steps() == staged + want, f"{cell} {shape} {dtype}"
 
 
 @pytest.mark.parametrize("staged", ["1", "2"])

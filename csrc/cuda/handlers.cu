@@ -12,6 +12,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 #include "cuda/launch.cuh"
@@ -517,8 +518,8 @@ Plan make_plan(int gates, int dtype, long long H, long long B, long long nnz, in
 // request wins). Per device: the attribute belongs to the kernel as loaded on the current
 // device, so a limit raised on one GPU does not hold on another.
 std::mutex g_attr_mu;
-cudaError_t ensure_smem(int dev, KernelFn fn, long long smem) {
-  struct Entry { int dev; KernelFn fn; long long smem; };
+cudaError_t ensure_smem(int dev, const void* fn, long long smem) {
+  struct Entry { int dev; const void* fn; long long smem; };
   static Entry set[256];
   static int nset = 0;
   std::lock_guard<std::mutex> lock(g_attr_mu);
@@ -526,8 +527,7 @@ cudaError_t ensure_smem(int dev, KernelFn fn, long long smem) {
   for (int i = 0; i < nset; ++i)
     if (set[i].dev == dev && set[i].fn == fn) known = &set[i];
   if (known && known->smem >= smem) return cudaSuccess;
-  cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   if (known) known->smem = smem;
@@ -649,7 +649,9 @@ cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const 
   max_ok = 0;
   KernelFn fn = pick_cluster(cell, dtype, pl.bt);
   if (fn == nullptr) return cudaSuccess;
-  if (cudaError_t e = ensure_smem(dev, fn, pl.smem); e != cudaSuccess) return e;
+  if (cudaError_t e = ensure_smem(dev, reinterpret_cast<const void*>(fn), pl.smem);
+      e != cudaSuccess)
+    return e;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(pl.cluster);
@@ -673,15 +675,25 @@ cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const 
 // Launches of the staged per-step kernel (step_kernels.cuh step_fwd_staged; the tests read it).
 std::atomic<long long> g_staged_steps{0};
 
+// Where the per-step kernels run on device dev (step_kernels.cuh StepConfig).
+StepConfig step_config(int dev) {
+  const DeviceInfo info = device_info(dev);
+  StepConfig cfg;
+  cfg.sms = info.sms;
+  cfg.staged = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_STEP_STAGED", 1), 0, 2));
+  cfg.max_bytes = std::max(kStagedDefaultBytes, info.smem_optin - kStagedStaticBytes);
+  cfg.dev = dev;
+  cfg.raise_smem = &ensure_smem;
+  return cfg;
+}
+
 // The per-step kernels (launch.cuh run_steps). SPRNN_CUDA_STEP_STAGED: 0 keeps them off the
 // staged kernel (step_kernels.cuh step_fwd_staged), 2 runs it wherever it fits (StepConfig).
 cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
                       cudaStream_t s, bool one_step = false) {
   int dev = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  StepConfig cfg;
-  cfg.sms = device_info(dev).sms;
-  cfg.staged = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_STEP_STAGED", 1), 0, 2));
+  const StepConfig cfg = step_config(dev);
   int staged = 0;
   cudaError_t e;
   switch (cell) {
@@ -883,7 +895,8 @@ ffi::Error forward(const char* target, bool step_target, cudaStream_t stream, Ce
     if (!launched && pl.persistent && pl.cluster == 0) {
       KernelFn fn = pick_persistent(cell, dtype, pl, p.activation != 0);
       int occ = 0;
-      cudaError_t e = fn ? ensure_smem(dev, fn, pl.smem) : cudaErrorInvalidDeviceFunction;
+      cudaError_t e = fn ? ensure_smem(dev, reinterpret_cast<const void*>(fn), pl.smem)
+                         : cudaErrorInvalidDeviceFunction;
       if (e == cudaSuccess) e = blocks_per_sm(dev, fn, pl.threads, pl.smem, occ);
       if (e == cudaSuccess && occ >= 1) {
         p = with_plan(p, pl);
@@ -1156,6 +1169,11 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
   m.def("staged_steps", []() { return sprnn::cuda::g_staged_steps.load(); },
         "Launches of the staged per-step kernel so far (h of the step's batch columns copied "
         "into shared memory; SPRNN_CUDA_STEP_STAGED=0 turns it off, 2 runs it wherever it fits).");
+  m.def("staged_step_max_bytes", []() {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("no CUDA device");
+    return sprnn::cuda::step_config(dev).max_bytes;
+  }, "The largest copy of h_{t-1} (bytes) the staged per-step kernel takes on this device.");
   m.def("one_step_calls", []() { return sprnn::cuda::g_one_step_calls.load(); },
         "Calls of one step (T = 1, the default variant) so far, each run as a single launch of "
         "the per-step kernel instead of the persistent kernel.");

@@ -310,14 +310,22 @@ __host__ __device__ inline long long staged_unit_chunks(const Params& p) {
   return (p.H + kStagedUnits<kCell> - 1) / kStagedUnits<kCell>;
 }
 
-// The copy's limit without raising the kernel's: a block's static and dynamic shared memory
-// together may take 48 KB, and its static `sums` take at most 1 KB.
-constexpr long long kStagedMaxBytes = 47 * 1024;
+// A block's static shared memory (its `sums`) is at most kStagedStaticBytes, so a copy of up to
+// kStagedDefaultBytes launches without raising the kernel's limit (static and dynamic together
+// 48 KB) and a larger one up to the device's opt-in limit less kStagedStaticBytes (StepConfig).
+constexpr long long kStagedStaticBytes = 1024;
+constexpr long long kStagedDefaultBytes = 48 * 1024 - kStagedStaticBytes;
+
+// Bytes of h_{t-1} per hidden unit for a block of `cols` columns: the call's dtype on one-step
+// calls, else the float32 workspace's (kStepHType). step_fwd gathers them once per nonzero.
+template <DType D>
+__host__ __device__ constexpr long long step_h_bytes(int cols, bool one_step) {
+  return cols * (one_step ? static_cast<long long>(sizeof(typename Tr<D>::S)) : 4);
+}
 
 template <DType D>
 __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols, bool one_step) {
-  const long long elem = one_step ? static_cast<long long>(sizeof(typename Tr<D>::S)) : 4;
-  return static_cast<long long>(p.H) * cols * elem;
+  return static_cast<long long>(p.H) * step_h_bytes<D>(cols, one_step);
 }
 
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec>
@@ -330,7 +338,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   extern __shared__ __align__(16) unsigned char step_staged_smem[];
   HIn* h_s = reinterpret_cast<HIn*>(step_staged_smem);  // [H][kCols]
   __shared__ float sums[U * G * kCols];
-  static_assert(sizeof(sums) <= 48 * 1024 - kStagedMaxBytes, "the copy's limit leaves 1 KB");
+  static_assert(sizeof(sums) <= kStagedStaticBytes, "the copy's limits leave 1 KB");
   const int H = p.H, B = p.B;
   const int groups = (B + kCols - 1) / kCols;
   const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
@@ -340,7 +348,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
   // Coalesced reads of each column's row; columns past ncols are zero (never summed).
-  for (int i = threadIdx.x; i < kCols * H; i += blockDim.x) {  // (< kStagedMaxBytes entries)
+  for (int i = threadIdx.x; i < kCols * H; i += blockDim.x) {  // (< 2^31: the copy fits on chip)
     const int j = i / H, col = i % H;
     h_s[static_cast<long long>(col) * kCols + j] =
         j < ncols ? hprev[static_cast<long long>(b0 + j) * H + col] : HIn{};
@@ -400,12 +408,17 @@ inline long long step_staged_grid(const Params& p, int cols, int sms) {
   return groups * per_group;
 }
 
-// Where the per-step kernels run (run_steps): the GPU's SM count (step_fwd_staged's grid) and
+// Where the per-step kernels run (run_steps): the GPU's SM count (step_fwd_staged's grid);
 // staged = 0 for step_fwd only, 1 (the default) for step_fwd_staged where it wins, 2 for
-// step_fwd_staged wherever its copy of h_{t-1} fits (the tests).
+// step_fwd_staged wherever its copy of h_{t-1} fits (the tests); the largest copy (the device's
+// opt-in shared memory less kStagedStaticBytes), and how to raise a kernel's limit for copies
+// above kStagedDefaultBytes (handlers.cu ensure_smem; without it they do not fit).
 struct StepConfig {
   int sms = 0;
   int staged = 1;
+  long long max_bytes = kStagedDefaultBytes;
+  int dev = 0;
+  cudaError_t (*raise_smem)(int dev, const void* kernel, long long smem) = nullptr;
 };
 
 // How a step launches: step_fwd_staged or step_fwd (`staged` says which).
@@ -425,17 +438,22 @@ StepLaunch staged_launch(const Params& p, int sms) {
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
-// step_fwd_staged where its copy fits in kStagedMaxBytes and (by default) where it wins: blocks
-// of 4 or 8 columns with at least two unit chunks per SM. fp16 us per launch (session 85,
-// step_kernel_probe call 4), step_fwd -> staged: B=4 LSTM H=4096 (512 chunks) 34.1 -> 24.8, ReLU
-// H=5760 (180 chunks, two rounds on 48 SMs) 18.1 -> 18.9, LSTM H=1024 (128 chunks: the copy not
-// amortised) 6.6 -> 7.1, ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; B=1, where step_fwd
-// gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4 and ReLU H=5760 8.1 -> 11.5.
+// step_fwd_staged where its copy fits and (by default) where it wins: blocks of 4 or 8 columns
+// with at least two unit chunks per SM, or at least one where step_fwd gathers 16 bytes or more
+// per nonzero. fp16 us per launch (session 85, step_kernel_probe call 4), step_fwd -> staged:
+// one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.1 -> 24.8, ReLU H=5760 (180 chunks, two
+// rounds on 48 SMs) 18.1 -> 18.9, LSTM H=1024 (128 chunks: the copy not amortised) 6.6 -> 7.1,
+// ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; at 16 bytes (one-step B=8, loop steps B=4)
+// ReLU H=5760 39.2 -> 29.7 and 23.8 -> 21.0, LSTM H=1024 9.3 -> 9.6 and 7.3 -> 7.3; B=1, where
+// step_fwd gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4, ReLU H=5760 8.1 -> 11.5.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
-  const bool fits = step_staged_bytes<D>(p, cols, kOneStep) <= kStagedMaxBytes;
-  const bool wins = cols >= 4 && staged_unit_chunks<C>(p) >= 2LL * cfg.sms;
+  const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
+  const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
+  const long long chunks = staged_unit_chunks<C>(p);
+  const bool wins = cols >= 4 && (chunks >= 2LL * cfg.sms ||
+                                  (chunks >= cfg.sms && step_h_bytes<D>(cols, kOneStep) >= 16));
   if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
     return staged_launch<C, D, kOneStep>(p, cfg.sms);
   return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};

@@ -94,7 +94,7 @@ column words), ``SPRNN_CUDA_W_CAP`` (tests: at most this many words of nonzeros
 and row offsets per block on chip, so the rest run from L2),
 ``SPRNN_CUDA_STEP_STAGED`` (the per-step kernel of one-step calls, variant 4 and layers off chip:
 0 never copies h into shared memory, 1 does where that wins, on large layers, 2 wherever the
-copy fits in 47 KB).
+copy fits in the block's opt-in shared memory, 226 KB on the H200).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
