@@ -5,7 +5,7 @@
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
-#                            func-attr|step-kernel|multi-gpu|trace|decode|all]
+#                            func-attr|step-kernel|step-profile|multi-gpu|trace|decode|all]
 #                                                                       (default all)
 # build: the package only (then run what you need, e.g. pytest on chosen test files).
 # all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
@@ -27,6 +27,8 @@
 #   kernel, gaps) for the two small target layers.
 # probe-profile: ncu --set full + per-SASS-line stalls of the step probe for PROBE_CONFIGS
 #   (PROBE_FLAGS: extra nvcc flags of that build, comma-separated).
+# step-profile: the same for benchmarks/step_kernel_probe.cu, STEP_PROFILE_CONFIGS of
+#   cell:H:B:setting (the setting's index in the probe's list; its 4th launch is profiled).
 # exchange: benchmarks/exchange_probe.cu (ping-pong and all-to-all latency through L2).
 # probe: benchmarks/step_probe.cu (no JAX, no package build): us/step and the per-phase split of
 #   a step for the configurations in PROBE_CONFIGS (see the file's header).
@@ -53,7 +55,8 @@ MODE="${1:-all}"
 # A mistyped mode would otherwise build and stop without a word.
 case "$MODE" in
   build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|probe-profile|exchange|\
-  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|step-kernel|multi-gpu|trace|decode|all) ;;
+  l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|step-kernel|step-profile|multi-gpu|trace|\
+  decode|all) ;;
   *) echo "unknown mode '$MODE'; see the usage at the top of $0" >&2; exit 2 ;;
 esac
 OUT="${OUT:-benchmarks/results/run}"
@@ -129,6 +132,21 @@ if [ "$MODE" = cluster-reg ]; then  # benchmarks/cluster_reg_probe.cu
   timeout "${PROBE_TIMEOUT:-300}" /tmp/cluster_reg_probe ${CLUSTER_REG_CONFIGS:-1152:0.1:2000:16:8:0:1 1152:0.1:2000:16:8:1:1} 2>&1 | tee -a "$OUT/cluster_reg.txt"
   exit 0
 fi
+# ncu --set full of one launch of kernels matching $2 in the command after them, as report $1:
+# the details page, the per-SASS-line stalls (ncu_sass_top.py) and a summary line set.
+profile_launch() {
+  local i="$1" kernels="$2"; shift 2
+  echo "== $*" | tee -a "$OUT/profile_summary.txt"
+  timeout 150 ncu --clock-control none --set full --import-source yes -k "regex:$kernels" \
+    ${NCU_SKIP:+-s $NCU_SKIP} -c 1 -f -o "/tmp/probe_prof$i" "$@" > "/tmp/probe_prof$i.log" 2>&1
+  ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
+  ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
+  python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 160 > "$OUT/sass_top_$i.txt" 2>&1
+  gzip -c "/tmp/sass_$i.csv" > "$OUT/sass_$i.csv.gz"  # every line, for reading the SASS around a hot spot
+  head -3 "$OUT/sass_top_$i.txt" | tee -a "$OUT/profile_summary.txt"
+  grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Mem Busy|Max Bandwidth" \
+    "$OUT/details_$i.txt" | tee -a "$OUT/profile_summary.txt"
+}
 if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first launch per config
   # PROBE_FLAGS: extra nvcc flags for the profiled build (comma-separated, as in PROBE_BUILDS;
   # default: probe mode 0 as a constant, as the probe mode's default build).
@@ -137,16 +155,18 @@ if [ "$MODE" = probe-profile ]; then  # ncu --set full of the probe's first laun
     -o /tmp/step_probe_prof || exit 1
   i=0
   for cfg in ${PROBE_CONFIGS:-rnn:1152:0.1:512:132:0}; do
-    echo "== $cfg" | tee -a "$OUT/profile_summary.txt"
-    timeout 150 ncu --clock-control none --set full --import-source yes -k regex:persistent_fwd -c 1 \
-      -f -o "/tmp/probe_prof$i" /tmp/step_probe_prof "$cfg" > "/tmp/probe_prof$i.log" 2>&1
-    ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
-    ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
-    python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 160 > "$OUT/sass_top_$i.txt" 2>&1
-    gzip -c "/tmp/sass_$i.csv" > "$OUT/sass_$i.csv.gz"  # every line, for reading the SASS around a hot spot
-    head -3 "$OUT/sass_top_$i.txt" | tee -a "$OUT/profile_summary.txt"
-    grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Mem Busy|Max Bandwidth" \
-      "$OUT/details_$i.txt" | tee -a "$OUT/profile_summary.txt"
+    profile_launch "$i" persistent_fwd /tmp/step_probe_prof "$cfg"
+    i=$((i + 1))
+  done
+  exit 0
+fi
+if [ "$MODE" = step-profile ]; then  # ncu of step_kernel_probe.cu settings (the 4th launch)
+  "${PROBE_NVCC[@]}" -lineinfo benchmarks/step_kernel_probe.cu -o /tmp/step_kernel_prof || exit 1
+  i=0
+  for cfg in ${STEP_PROFILE_CONFIGS:-lstm:4096:8:5 lstm:4096:4:5 lstm:4096:1:2}; do
+    read -r cell hidden batch setting <<< "${cfg//:/ }"
+    NCU_SKIP=3 profile_launch "$i" step_fwd /tmp/step_kernel_prof "$cell" "$hidden" "$batch" 4 \
+      "$setting"
     i=$((i + 1))
   done
   exit 0
