@@ -328,28 +328,8 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
   return static_cast<long long>(p.H) * step_h_bytes<D>(cols, one_step);
 }
 
-// Asks L2 for the nonzeros (values and columns) of unit chunk `chunk`, one 128-byte line per
-// thread and pass: a chunk's rows are consecutive, so its nonzeros are one range of each array.
-// The block's loads of that chunk then wait on L2, not on DRAM (ncu, session 86: the staged rows
-// stall on long scoreboards with an L2 hit rate of 10-14%).
-template <Cell kCell, DType D>
-__device__ __forceinline__ void prefetch_chunk(const Params& p, long long chunk) {
-  constexpr int G = gates_of(kCell);
-  const long long u1 = min(static_cast<long long>(p.H), (chunk + 1) * kStagedUnits<kCell>);
-  const long long k0 = __ldg(p.row_ptr + chunk * kStagedUnits<kCell> * G);
-  const long long k1 = __ldg(p.row_ptr + u1 * G);
-  auto lines = [&](const void* base, long long elem) {
-    const char* bytes = static_cast<const char*>(base);
-    for (long long b = (k0 * elem & ~127LL) + threadIdx.x * 128LL; b < k1 * elem;
-         b += blockDim.x * 128LL)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(bytes + b));
-  };
-  lines(p.values, sizeof(typename Tr<D>::S));
-  lines(p.col_idx, sizeof(int32_t));
-}
-
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
-          int kUnroll = kStepUnroll, bool kPrefetch = false>
+          int kUnroll = kStepUnroll>
 __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
     step_fwd_staged(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -368,8 +348,6 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   const float* hin = workspace_h<kOneStep>(p, hbuf, s);
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
-  const long long chunks = staged_unit_chunks<kCell>(p);
-  if constexpr (kPrefetch) prefetch_chunk<kCell, D>(p, blockIdx.x % per_group);
   // Coalesced reads of each column's row; columns past ncols are zero (never summed).
   for (int i = threadIdx.x; i < kCols * H; i += blockDim.x) {  // (< 2^31: the copy fits on chip)
     const int j = i / H, col = i % H;
@@ -378,11 +356,9 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   }
   __syncthreads();
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
+  const long long chunks = staged_unit_chunks<kCell>(p);
   for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
     const int u0 = static_cast<int>(chunk) * U;
-    if constexpr (kPrefetch) {
-      if (running && chunk + per_group < chunks) prefetch_chunk<kCell, D>(p, chunk + per_group);
-    }
     if (running) {
       row_sums<kCell, D, kCols, kVec, kUnroll>(
           p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
@@ -414,13 +390,12 @@ auto step_kernel(int cols) {
 }
 
 // step_fwd_staged for a block of `cols` batch columns.
-template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kUnroll = kStepUnroll,
-          bool kPrefetch = false>
+template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kUnroll = kStepUnroll>
 auto step_staged_kernel(int cols) {
   switch (cols) {
-    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec, kUnroll, kPrefetch>;
-    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec, kUnroll, kPrefetch>;
-    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec, kUnroll, kPrefetch>;
+    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec, kUnroll>;
+    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec, kUnroll>;
+    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec, kUnroll>;
   }
 }
 
@@ -457,10 +432,10 @@ struct StepLaunch {
 };
 
 // step_fwd_staged's launch for p's columns (whatever its copy's size).
-template <Cell C, DType D, bool kOneStep, int kUnroll = kStepUnroll, bool kPrefetch = false>
+template <Cell C, DType D, bool kOneStep, int kUnroll = kStepUnroll>
 StepLaunch staged_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
-  return {step_staged_kernel<C, D, kOneStep, kStepVec, kUnroll, kPrefetch>(cols),
+  return {step_staged_kernel<C, D, kOneStep, kStepVec, kUnroll>(cols),
           step_staged_grid<C>(p, cols, sms),
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
