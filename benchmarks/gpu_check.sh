@@ -138,7 +138,7 @@ profile_launch() {
   local i="$1" kernels="$2"; shift 2
   echo "== $*" | tee -a "$OUT/profile_summary.txt"
   timeout 150 ncu --clock-control none --set full --import-source yes -k "regex:$kernels" \
-    ${NCU_SKIP:+-s $NCU_SKIP} -c 1 -f -o "/tmp/probe_prof$i" "$@" > "/tmp/probe_prof$i.log" 2>&1
+    --cache-control "${NCU_CACHE_CONTROL:-all}" ${NCU_SKIP:+-s $NCU_SKIP} -c 1 -f -o "/tmp/probe_prof$i" "$@" > "/tmp/probe_prof$i.log" 2>&1
   ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
   ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
   python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 160 > "$OUT/sass_top_$i.txt" 2>&1
@@ -165,7 +165,9 @@ if [ "$MODE" = step-profile ]; then  # ncu of step_kernel_probe.cu settings (the
   i=0
   for cfg in ${STEP_PROFILE_CONFIGS:-lstm:4096:8:5 lstm:4096:4:5 lstm:4096:1:2}; do
     read -r cell hidden batch setting <<< "${cfg//:/ }"
-    NCU_SKIP=3 profile_launch "$i" step_fwd /tmp/step_kernel_prof "$cell" "$hidden" "$batch" 4 \
+    # Caches kept as after the launches before (ncu flushes them by default): back to back,
+    # a layer's nonzeros may stay in L2 (50 MB), as in a sampling loop.
+    NCU_SKIP=3 NCU_CACHE_CONTROL=none profile_launch "$i" step_fwd /tmp/step_kernel_prof "$cell" "$hidden" "$batch" 4 \
       "$setting"
     i=$((i + 1))
   done
