@@ -46,9 +46,9 @@ Setting setting(const char* name, const Params& p) {
 
 int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
 
-template <Cell C, bool kOne, int kUnroll = sprnn::cuda::kStepUnroll>
+template <Cell C, bool kOne>
 Setting staged(const char* name, const Params& p) {
-  return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne, kUnroll>(p, g_sms), kOne};
+  return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne>(p, g_sms), kOne};
 }
 
 template <Cell C>
@@ -61,13 +61,9 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 4, 2, m>("vec 4 x2, 5", p),
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
           staged<C, true>("staged", p),
-          staged<C, true, 2>("staged x2", p),
-          staged<C, true, 4>("staged x4", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
-          staged<C, false>("loop step, staged", p),
-          staged<C, false, 2>("loop step, staged x2", p),
-          staged<C, false, 4>("loop step, staged x4", p)};
+          staged<C, false>("loop step, staged", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

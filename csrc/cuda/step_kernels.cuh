@@ -328,8 +328,7 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
   return static_cast<long long>(p.H) * step_h_bytes<D>(cols, one_step);
 }
 
-template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
-          int kUnroll = kStepUnroll>
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec>
 __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
     step_fwd_staged(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -360,7 +359,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
     const int u0 = static_cast<int>(chunk) * U;
     if (running) {
-      row_sums<kCell, D, kCols, kVec, kUnroll>(
+      row_sums<kCell, D, kCols, kVec, 1>(
           p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
             float h[kCols];
             load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
@@ -390,12 +389,12 @@ auto step_kernel(int cols) {
 }
 
 // step_fwd_staged for a block of `cols` batch columns.
-template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kUnroll = kStepUnroll>
+template <Cell C, DType D, bool kOneStep, int kVec = kStepVec>
 auto step_staged_kernel(int cols) {
   switch (cols) {
-    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec, kUnroll>;
-    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec, kUnroll>;
-    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec, kUnroll>;
+    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec>;
+    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec>;
+    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec>;
   }
 }
 
@@ -432,11 +431,10 @@ struct StepLaunch {
 };
 
 // step_fwd_staged's launch for p's columns (whatever its copy's size).
-template <Cell C, DType D, bool kOneStep, int kUnroll = kStepUnroll>
+template <Cell C, DType D, bool kOneStep>
 StepLaunch staged_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
-  return {step_staged_kernel<C, D, kOneStep, kStepVec, kUnroll>(cols),
-          step_staged_grid<C>(p, cols, sms),
+  return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, sms),
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
