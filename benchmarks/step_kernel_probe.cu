@@ -46,9 +46,9 @@ Setting setting(const char* name, const Params& p) {
 
 int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
 
-template <Cell C, bool kOne>
+template <Cell C, bool kOne, int kCopyBatch = sprnn::cuda::kStagedCopyBatch>
 Setting staged(const char* name, const Params& p) {
-  return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne>(p, g_sms), kOne};
+  return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne, kCopyBatch>(p, g_sms), kOne};
 }
 
 template <Cell C>
@@ -61,9 +61,11 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 4, 2, m>("vec 4 x2, 5", p),
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
           staged<C, true>("staged", p),
+          staged<C, true, 8>("staged, copy batch 8", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
-          staged<C, false>("loop step, staged", p)};
+          staged<C, false>("loop step, staged", p),
+          staged<C, false, 8>("loop step, staged, copy batch 8", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

@@ -328,7 +328,34 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
   return static_cast<long long>(p.H) * step_h_bytes<D>(cols, one_step);
 }
 
-template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec>
+// Values of h_{t-1} a thread of step_fwd_staged loads before it stores them, in its copy: the
+// loads come through a generic pointer, which may alias h_s, so the compiler keeps each load
+// after the store before it, and a thread's copy waits out one L2 round trip per value (ncu,
+// session 86: a quarter of the stall samples of LSTM H=4096 B=8, 32 values per thread).
+constexpr int kStagedCopyBatch = 1;
+
+// step_fwd_staged's copy of columns b0 .. b0 + ncols - 1 of hprev ([B][H]) into h_s ([H][kCols],
+// coalesced reads of each column's row); columns past ncols are zero (never summed).
+template <int kCols, int kBatch, class HIn>
+__device__ __forceinline__ void stage_h(const HIn* hprev, HIn* h_s, int H, int b0, int ncols) {
+  const int n = kCols * H;  // (< 2^31: the copy fits on chip)
+  for (int i0 = threadIdx.x; i0 < n; i0 += blockDim.x * kBatch) {
+    HIn v[kBatch];
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int i = i0 + q * blockDim.x, j = i / H, col = i % H;
+      v[q] = i < n && j < ncols ? hprev[static_cast<long long>(b0 + j) * H + col] : HIn{};
+    }
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int i = i0 + q * blockDim.x, j = i / H, col = i % H;
+      if (i < n) h_s[static_cast<long long>(col) * kCols + j] = v[q];
+    }
+  }
+}
+
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
+          int kCopyBatch = kStagedCopyBatch>
 __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
     step_fwd_staged(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -347,12 +374,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   const float* hin = workspace_h<kOneStep>(p, hbuf, s);
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
-  // Coalesced reads of each column's row; columns past ncols are zero (never summed).
-  for (int i = threadIdx.x; i < kCols * H; i += blockDim.x) {  // (< 2^31: the copy fits on chip)
-    const int j = i / H, col = i % H;
-    h_s[static_cast<long long>(col) * kCols + j] =
-        j < ncols ? hprev[static_cast<long long>(b0 + j) * H + col] : HIn{};
-  }
+  stage_h<kCols, kCopyBatch>(hprev, h_s, H, b0, ncols);
   __syncthreads();
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
   const long long chunks = staged_unit_chunks<kCell>(p);
@@ -389,12 +411,12 @@ auto step_kernel(int cols) {
 }
 
 // step_fwd_staged for a block of `cols` batch columns.
-template <Cell C, DType D, bool kOneStep, int kVec = kStepVec>
+template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kCopyBatch = kStagedCopyBatch>
 auto step_staged_kernel(int cols) {
   switch (cols) {
-    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec>;
-    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec>;
-    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec>;
+    case 1: return &step_fwd_staged<C, D, kOneStep, 1, kVec, kCopyBatch>;
+    case 4: return &step_fwd_staged<C, D, kOneStep, 4, kVec, kCopyBatch>;
+    default: return &step_fwd_staged<C, D, kOneStep, 8, kVec, kCopyBatch>;
   }
 }
 
@@ -431,10 +453,11 @@ struct StepLaunch {
 };
 
 // step_fwd_staged's launch for p's columns (whatever its copy's size).
-template <Cell C, DType D, bool kOneStep>
+template <Cell C, DType D, bool kOneStep, int kCopyBatch = kStagedCopyBatch>
 StepLaunch staged_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
-  return {step_staged_kernel<C, D, kOneStep>(cols), step_staged_grid<C>(p, cols, sms),
+  return {step_staged_kernel<C, D, kOneStep, kStepVec, kCopyBatch>(cols),
+          step_staged_grid<C>(p, cols, sms),
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
