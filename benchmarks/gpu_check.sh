@@ -138,11 +138,14 @@ profile_launch() {
   local i="$1" kernels="$2"; shift 2
   echo "== $*" | tee -a "$OUT/profile_summary.txt"
   timeout 150 ncu --clock-control none --set full --import-source yes -k "regex:$kernels" \
-    --cache-control "${NCU_CACHE_CONTROL:-all}" ${NCU_SKIP:+-s $NCU_SKIP} -c 1 -f -o "/tmp/probe_prof$i" "$@" > "/tmp/probe_prof$i.log" 2>&1
+    --cache-control "${NCU_CACHE_CONTROL:-all}" ${NCU_SKIP:+-s $NCU_SKIP} -c 1 \
+    -f -o "/tmp/probe_prof$i" "$@" > "/tmp/probe_prof$i.log" 2>&1
   ncu -i "/tmp/probe_prof$i.ncu-rep" --page details > "$OUT/details_$i.txt" 2>&1
-  ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$i.csv" 2>&1
+  ncu -i "/tmp/probe_prof$i.ncu-rep" --page source --csv --print-source sass \
+    > "/tmp/sass_$i.csv" 2>&1
   python3 benchmarks/ncu_sass_top.py "/tmp/sass_$i.csv" 160 > "$OUT/sass_top_$i.txt" 2>&1
-  gzip -c "/tmp/sass_$i.csv" > "$OUT/sass_$i.csv.gz"  # every line, for reading the SASS around a hot spot
+  # every line, for reading the SASS around a hot spot
+  gzip -c "/tmp/sass_$i.csv" > "$OUT/sass_$i.csv.gz"
   head -3 "$OUT/sass_top_$i.txt" | tee -a "$OUT/profile_summary.txt"
   grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Mem Busy|Max Bandwidth" \
     "$OUT/details_$i.txt" | tee -a "$OUT/profile_summary.txt"
@@ -167,8 +170,8 @@ if [ "$MODE" = step-profile ]; then  # ncu of step_kernel_probe.cu settings (the
     read -r cell hidden batch setting <<< "${cfg//:/ }"
     # Caches kept as after the launches before (ncu flushes them by default): back to back,
     # a layer's nonzeros may stay in L2 (50 MB), as in a sampling loop.
-    NCU_SKIP=3 NCU_CACHE_CONTROL=none profile_launch "$i" step_fwd /tmp/step_kernel_prof "$cell" "$hidden" "$batch" 4 \
-      "$setting"
+    NCU_SKIP=3 NCU_CACHE_CONTROL=none profile_launch "$i" step_fwd /tmp/step_kernel_prof \
+      "$cell" "$hidden" "$batch" 4 "$setting"
     i=$((i + 1))
   done
   exit 0

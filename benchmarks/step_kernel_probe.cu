@@ -2,8 +2,9 @@
 // flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
 // fp16, B = 4, 1 and 8) without JAX, and as loop steps (variant 4 and layers off chip: h from
 // the float32 workspace), step_fwd against step_fwd_staged (h_{t-1} copied on chip; above 47 KB
-// by raising the kernel's limit): us per launch over back-to-back launches, medians of 5 rounds, and each setting's largest difference in ys / cs from the first (session
-// 82's kernel: 8 column slots, one nonzero per load), of one launch from the same state.
+// by raising the kernel's limit): us per launch over back-to-back launches, medians of 5 rounds,
+// and each setting's largest difference in ys / cs from the first (session 82's kernel: 8
+// column slots, one nonzero per load), of one launch from the same state.
 //
 //   benchmarks/gpu_check.sh step-kernel
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
@@ -138,7 +139,7 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     const Setting& st = all[si];
     const int kLaunches = g_launches;
     const StepLaunch& l = st.launch;
-    if (l.smem > sprnn::cuda::kStagedDefaultBytes)  // (as the package does: launch.cuh prepare_step)
+    if (l.smem > sprnn::cuda::kStagedDefaultBytes)  // (as launch.cuh prepare_step does)
       CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(l.kernel),
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(l.smem)));
