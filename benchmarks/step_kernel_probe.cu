@@ -47,6 +47,13 @@ Setting setting(const char* name, const Params& p) {
 
 int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
 
+// prepare_step's hook: the package raises a limit once per device (handlers.cu ensure_smem),
+// the probe each time.
+cudaError_t raise_smem(int, const void* kernel, long long smem) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
+}
+
 template <Cell C, bool kOne, int kCopyBatch = sprnn::cuda::kStagedCopyBatch>
 Setting staged(const char* name, const Params& p) {
   return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne, kCopyBatch>(p, g_sms), kOne};
@@ -139,10 +146,9 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
     const Setting& st = all[si];
     const int kLaunches = g_launches;
     const StepLaunch& l = st.launch;
-    if (l.smem > sprnn::cuda::kStagedDefaultBytes)  // (as launch.cuh prepare_step does)
-      CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(l.kernel),
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(l.smem)));
+    sprnn::cuda::StepConfig cfg;
+    cfg.raise_smem = &raise_smem;
+    CHECK(sprnn::cuda::prepare_step(l, cfg));
     const auto blocks = static_cast<unsigned>(l.blocks);
     float* h_ws = st.one_step ? nullptr : hbuf;
     float* c_ws = st.one_step ? nullptr : cbuf;

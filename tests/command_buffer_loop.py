@@ -34,10 +34,11 @@ def layer(cell, p, w):
     return call
 
 
-# (cell, H, SPRNN_CUDA_STEP_STAGED): the last forces the staged per-step kernel with a copy of h
-# (8 columns of float32) above 48 KB, whose limit the handler raises while XLA records. Not
-# H=1600: XLA then ran our handler at every trip, staged or not (session 86, call 2), where
-# H=1601 records once; a 16-byte-aligned slice of xp may be folded into the call per trip.
+# (cell, H, SPRNN_CUDA_STEP_STAGED): the last (it leaves the knob set) forces the staged per-step
+# kernel with a copy of h (8 columns of float32) above 48 KB, whose limit the handler raises
+# while XLA records. Not H=1600: XLA then ran our handler at every trip, staged or not
+# (session 86, call 2), where H=1601 records once; a 16-byte-aligned slice of xp may be folded
+# into the call per trip.
 CASES = [("rnn", 70, None), ("lstm", 70, None), ("gru", 70, None), ("rnn", 1601, "2")]
 
 

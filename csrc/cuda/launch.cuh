@@ -87,12 +87,6 @@ KernelFn cluster_kernel(int bt) {
   }
 }
 
-// Raises the staged kernel's shared-memory limit for a copy above the default (step_launch).
-inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
-  if (!l.staged || l.smem <= kStagedDefaultBytes) return cudaSuccess;
-  return cfg.raise_smem(cfg.dev, reinterpret_cast<const void*>(l.kernel), l.smem);
-}
-
 // One step as one launch of step_launch's choice; counts the staged ones in *staged.
 inline cudaError_t launch_step(const StepLaunch& l, const Params& p, int s, float* hbuf,
                                float* cbuf, cudaStream_t stream, int* staged) {

@@ -38,20 +38,25 @@ __global__ void step_init(Params p, float* hbuf, float* cbuf) {
 template <Cell kCell>
 constexpr int kStepUnits = gates_of(kCell) == 1 ? 8 : 2;  // 8 warps (6 for the GRU)
 
+// Threads of a block of kUnits units, a warp per gate row (step_fwd's and step_fwd_staged's).
+template <Cell kCell, int kUnits>
+constexpr int unit_threads() { return 32 * gates_of(kCell) * kUnits; }
+
+// Chunks of kUnits units that cover the layer's H.
+template <int kUnits>
+__host__ __device__ inline long long unit_chunks(const Params& p) {
+  return (p.H + kUnits - 1) / kUnits;
+}
+
 template <Cell kCell>
-constexpr int step_threads() { return 32 * gates_of(kCell) * kStepUnits<kCell>; }
+constexpr int step_threads() { return unit_threads<kCell, kStepUnits<kCell>>(); }
 
 __host__ __device__ constexpr int step_cols(int B) { return B <= 1 ? 1 : B <= 4 ? 4 : 8; }
-
-template <Cell kCell>
-__host__ __device__ inline long long step_unit_chunks(const Params& p) {
-  return (p.H + kStepUnits<kCell> - 1) / kStepUnits<kCell>;
-}
 
 // Blocks of a step of blocks of `cols` batch columns (step_cols(p.B) in the package).
 template <Cell kCell>
 __host__ __device__ inline long long step_blocks(const Params& p, int cols) {
-  return step_unit_chunks<kCell>(p) * ((p.B + cols - 1) / cols);
+  return unit_chunks<kStepUnits<kCell>>(p) * ((p.B + cols - 1) / cols);
 }
 
 // How a lane reads its row: kVec consecutive nonzeros per load (one vector load of values and
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   constexpr int U = kStepUnits<kCell>;
   __shared__ float sums[U * G * kCols];
   const int H = p.H, B = p.B;
-  const long long chunks = step_unit_chunks<kCell>(p);
+  const long long chunks = unit_chunks<U>(p);
   const int u0 = static_cast<int>(blockIdx.x % chunks) * U;
   const int b0 = static_cast<int>(blockIdx.x / chunks) * kCols;
   const int ncols = min(kCols, B - b0);
@@ -303,12 +308,7 @@ template <Cell kCell>
 constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
 
 template <Cell kCell>
-constexpr int staged_threads() { return 32 * gates_of(kCell) * kStagedUnits<kCell>; }
-
-template <Cell kCell>
-__host__ __device__ inline long long staged_unit_chunks(const Params& p) {
-  return (p.H + kStagedUnits<kCell> - 1) / kStagedUnits<kCell>;
-}
+constexpr int staged_threads() { return unit_threads<kCell, kStagedUnits<kCell>>(); }
 
 // A block's static shared memory (its `sums`) is at most kStagedStaticBytes, so a copy of up to
 // kStagedDefaultBytes launches without raising the kernel's limit (static and dynamic together
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   stage_h<kCols, kCopyBatch>(hprev, h_s, H, b0, ncols);
   __syncthreads();
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
-  const long long chunks = staged_unit_chunks<kCell>(p);
+  const long long chunks = unit_chunks<U>(p);
   for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
     const int u0 = static_cast<int>(chunk) * U;
     if (running) {
@@ -425,7 +425,7 @@ auto step_staged_kernel(int cols) {
 template <Cell kCell>
 inline long long step_staged_grid(const Params& p, int cols, int sms) {
   const long long groups = (p.B + cols - 1) / cols;
-  const long long chunks = staged_unit_chunks<kCell>(p);
+  const long long chunks = unit_chunks<kStagedUnits<kCell>>(p);
   const long long per_group = std::max(1LL, std::min(chunks, sms / groups));
   return groups * per_group;
 }
@@ -461,6 +461,12 @@ StepLaunch staged_launch(const Params& p, int sms) {
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
+// Raises the staged kernel's shared-memory limit for a copy above the default, before l runs.
+inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
+  if (!l.staged || l.smem <= kStagedDefaultBytes) return cudaSuccess;
+  return cfg.raise_smem(cfg.dev, reinterpret_cast<const void*>(l.kernel), l.smem);
+}
+
 // step_fwd_staged where its copy fits and (by default) where it wins: blocks of 4 or 8 columns
 // with at least two unit chunks per SM, or at least one where step_fwd gathers 16 bytes or more
 // per nonzero. fp16 us per launch (session 85, step_kernel_probe call 4), step_fwd -> staged:
@@ -474,7 +480,7 @@ StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
   const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
   const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
-  const long long chunks = staged_unit_chunks<C>(p);
+  const long long chunks = unit_chunks<kStagedUnits<C>>(p);
   const bool wins = cols >= 4 && (chunks >= 2LL * cfg.sms ||
                                   (chunks >= cfg.sms && step_h_bytes<D>(cols, kOneStep) >= 16));
   if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
