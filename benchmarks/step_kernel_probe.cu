@@ -68,12 +68,14 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
           setting<C, 4, 2, m>("vec 4 x2, 5", p),
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
-          staged<C, true>("staged", p),
+          staged<C, true, 1>("staged, copy batch 1", p),
           staged<C, true, 8>("staged, copy batch 8", p),
+          staged<C, true, 16>("staged, copy batch 16", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
-          staged<C, false>("loop step, staged", p),
-          staged<C, false, 8>("loop step, staged, copy batch 8", p)};
+          staged<C, false, 1>("loop step, staged, copy batch 1", p),
+          staged<C, false, 8>("loop step, staged, copy batch 8", p),
+          staged<C, false, 16>("loop step, staged, copy batch 16", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

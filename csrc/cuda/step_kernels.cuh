@@ -332,7 +332,7 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
 // loads come through a generic pointer, which may alias h_s, so the compiler keeps each load
 // after the store before it, and a thread's copy waits out one L2 round trip per value (ncu,
 // session 86: a quarter of the stall samples of LSTM H=4096 B=8, 32 values per thread).
-constexpr int kStagedCopyBatch = 1;
+constexpr int kStagedCopyBatch = 8;
 
 // step_fwd_staged's copy of columns b0 .. b0 + ncols - 1 of hprev ([B][H]) into h_s ([H][kCols],
 // coalesced reads of each column's row); columns past ncols are zero (never summed).
