@@ -332,26 +332,32 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
 // loads come through a generic pointer, which may alias h_s, so the compiler keeps each load
 // after the store before it, and a thread's copy waits out one L2 round trip per value (ncu,
 // session 86: a quarter of the stall samples of LSTM H=4096 B=8, 32 values per thread).
+// step_kernel_probe, session 87, copy batch 1 -> 8 (16), us per launch: one-step LSTM H=4096
+// B=8 36.1 -> 33.0 (32.0), ReLU H=5760 B=8 29.6 -> 26.1 (25.7), B=4 18.9 -> 17.2 (18.1).
 constexpr int kStagedCopyBatch = 8;
 
 // step_fwd_staged's copy of columns b0 .. b0 + ncols - 1 of hprev ([B][H]) into h_s ([H][kCols],
-// coalesced reads of each column's row); columns past ncols are zero (never summed).
+// coalesced reads of each column's row); columns past ncols are zero (never summed). Whole
+// batches of kBatch values first, then the rest one at a time, so that a small copy (fewer than
+// kBatch values per thread) costs no more than without batches.
 template <int kCols, int kBatch, class HIn>
 __device__ __forceinline__ void stage_h(const HIn* hprev, HIn* h_s, int H, int b0, int ncols) {
   const int n = kCols * H;  // (< 2^31: the copy fits on chip)
-  for (int i0 = threadIdx.x; i0 < n; i0 += blockDim.x * kBatch) {
+  const int stride = static_cast<int>(blockDim.x);
+  const auto load = [&](int i) {
+    const int j = i / H;
+    return j < ncols ? hprev[static_cast<long long>(b0 + j) * H + i % H] : HIn{};
+  };
+  const auto store = [&](int i, HIn v) { h_s[static_cast<long long>(i % H) * kCols + i / H] = v; };
+  int i = static_cast<int>(threadIdx.x);
+  for (; i + (kBatch - 1) * stride < n; i += kBatch * stride) {
     HIn v[kBatch];
 #pragma unroll
-    for (int q = 0; q < kBatch; ++q) {
-      const int i = i0 + q * blockDim.x, j = i / H, col = i % H;
-      v[q] = i < n && j < ncols ? hprev[static_cast<long long>(b0 + j) * H + col] : HIn{};
-    }
+    for (int q = 0; q < kBatch; ++q) v[q] = load(i + q * stride);
 #pragma unroll
-    for (int q = 0; q < kBatch; ++q) {
-      const int i = i0 + q * blockDim.x, j = i / H, col = i % H;
-      if (i < n) h_s[static_cast<long long>(col) * kCols + j] = v[q];
-    }
+    for (int q = 0; q < kBatch; ++q) store(i + q * stride, v[q]);
   }
+  for (; i < n; i += stride) store(i, load(i));
 }
 
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
@@ -468,21 +474,21 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
 }
 
 // step_fwd_staged where its copy fits and (by default) where it wins: blocks of 4 or 8 columns
-// with at least two unit chunks per SM, or at least one where step_fwd gathers 16 bytes or more
-// per nonzero. fp16 us per launch (session 85, step_kernel_probe call 4), step_fwd -> staged:
-// one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.1 -> 24.8, ReLU H=5760 (180 chunks, two
-// rounds on 48 SMs) 18.1 -> 18.9, LSTM H=1024 (128 chunks: the copy not amortised) 6.6 -> 7.1,
-// ReLU H=1152 (36 chunks: 36 SMs busy) 5.1 -> 6.9; at 16 bytes (one-step B=8, loop steps B=4)
-// ReLU H=5760 39.2 -> 29.7 and 23.8 -> 21.0, LSTM H=1024 9.3 -> 9.6 and 7.3 -> 7.3; B=1, where
-// step_fwd gathers once per nonzero anyway, LSTM H=4096 16.7 -> 16.4, ReLU H=5760 8.1 -> 11.5.
+// with at least 5/4 unit chunks per SM, or at least 7/8 where step_fwd gathers 16 bytes or more
+// per nonzero. fp16 us per launch (session 87, step_kernel_probe), step_fwd -> staged:
+// one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.1 -> 23.2, ReLU H=5760 (180 chunks)
+// 18.1 -> 17.2, LSTM H=1024 (128 chunks: the copy not amortised) 6.6 -> 7.1, ReLU H=1152
+// (36 chunks: 36 SMs busy) 5.1 -> 6.9; at 16 bytes (one-step B=8, loop steps B=4) ReLU H=5760
+// 38.8 -> 26.1 and 23.8 -> 20.2, LSTM H=1024 9.5 -> 8.8 and 7.3 -> 7.3; B=1, where step_fwd
+// gathers once per nonzero anyway, LSTM H=4096 16.6 -> 17.7, ReLU H=5760 8.2 -> 11.4.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
   const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
   const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
   const long long chunks = unit_chunks<kStagedUnits<C>>(p);
-  const bool wins = cols >= 4 && (chunks >= 2LL * cfg.sms ||
-                                  (chunks >= cfg.sms && step_h_bytes<D>(cols, kOneStep) >= 16));
+  const bool wide = step_h_bytes<D>(cols, kOneStep) >= 16;
+  const bool wins = cols >= 4 && (4 * chunks >= 5LL * cfg.sms || (8 * chunks >= 7LL * cfg.sms && wide));
   if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
     return staged_launch<C, D, kOneStep>(p, cfg.sms);
   return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};
