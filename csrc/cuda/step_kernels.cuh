@@ -474,13 +474,14 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
 }
 
 // step_fwd_staged where its copy fits and (by default) where it wins: blocks of 4 or 8 columns
-// with at least 5/4 unit chunks per SM, or at least 7/8 where step_fwd gathers 16 bytes or more
-// per nonzero. fp16 us per launch (session 87, step_kernel_probe), step_fwd -> staged:
-// one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.1 -> 23.2, ReLU H=5760 (180 chunks)
-// 18.1 -> 17.2, LSTM H=1024 (128 chunks: the copy not amortised) 6.6 -> 7.1, ReLU H=1152
-// (36 chunks: 36 SMs busy) 5.1 -> 6.9; at 16 bytes (one-step B=8, loop steps B=4) ReLU H=5760
-// 38.8 -> 26.1 and 23.8 -> 20.2, LSTM H=1024 9.5 -> 8.8 and 7.3 -> 7.3; B=1, where step_fwd
-// gathers once per nonzero anyway, LSTM H=4096 16.6 -> 17.7, ReLU H=5760 8.2 -> 11.4.
+// with at least two unit chunks per SM, or, where step_fwd gathers 16 bytes or more per nonzero,
+// at least one (7/8 with 8 columns). fp16 us per launch (step_kernel_probe, session 87 call 3),
+// step_fwd -> staged: one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.2 -> 24.0, ReLU H=5760
+// (180 chunks) 18.1 -> 18.5, LSTM H=1024 (128 chunks: the copy not amortised) 6.5 -> 7.3, ReLU
+// H=1152 (36 chunks: 36 SMs busy) 5.1 -> 7.3; loop steps B=4 (16 bytes) ReLU H=5760 23.8 ->
+// 20.8, LSTM H=1024 7.3 -> 7.7; B=8 (16 and 32 bytes) ReLU H=5760 39.3 -> 28.0 and 55.3 ->
+// 38.4, LSTM H=1024 9.6 -> 9.0 and 11.1 -> 10.5; B=1, where step_fwd gathers once per nonzero
+// anyway, LSTM H=4096 16.7 -> 16.9, ReLU H=5760 8.1 -> 12.0.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
@@ -488,7 +489,8 @@ StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
   const long long chunks = unit_chunks<kStagedUnits<C>>(p);
   const bool wide = step_h_bytes<D>(cols, kOneStep) >= 16;
-  const bool wins = cols >= 4 && (4 * chunks >= 5LL * cfg.sms || (8 * chunks >= 7LL * cfg.sms && wide));
+  const bool wins = cols >= 4 && (chunks >= 2LL * cfg.sms ||
+                                  (wide && 8 * chunks >= (cols == 8 ? 7LL : 8LL) * cfg.sms));
   if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
     return staged_launch<C, D, kOneStep>(p, cfg.sms);
   return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};
