@@ -475,7 +475,7 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
 
 // step_fwd_staged where its copy fits and (by default) where it wins: blocks of 4 or 8 columns
 // with at least two unit chunks per SM, or, where step_fwd gathers 16 bytes or more per nonzero,
-// at least one (7/8 with 8 columns). fp16 us per launch (step_kernel_probe, session 87 call 3),
+// at least one (7/8 with 8 columns). fp16 us per launch (step_kernel_probe, session 87 call 2),
 // step_fwd -> staged: one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.2 -> 24.0, ReLU H=5760
 // (180 chunks) 18.1 -> 18.5, LSTM H=1024 (128 chunks: the copy not amortised) 6.5 -> 7.3, ReLU
 // H=1152 (36 chunks: 36 SMs busy) 5.1 -> 7.3; loop steps B=4 (16 bytes) ReLU H=5760 23.8 ->
