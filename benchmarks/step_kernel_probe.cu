@@ -70,12 +70,10 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
           staged<C, true, 1>("staged, copy batch 1", p),
           staged<C, true, 8>("staged, copy batch 8", p),
-          staged<C, true, 16>("staged, copy batch 16", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
           staged<C, false, 1>("loop step, staged, copy batch 1", p),
-          staged<C, false, 8>("loop step, staged, copy batch 8", p),
-          staged<C, false, 16>("loop step, staged, copy batch 16", p)};
+          staged<C, false, 8>("loop step, staged, copy batch 8", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

@@ -332,8 +332,9 @@ __host__ __device__ inline long long step_staged_bytes(const Params& p, int cols
 // loads come through a generic pointer, which may alias h_s, so the compiler keeps each load
 // after the store before it, and a thread's copy waits out one L2 round trip per value (ncu,
 // session 86: a quarter of the stall samples of LSTM H=4096 B=8, 32 values per thread).
-// step_kernel_probe, session 87, copy batch 1 -> 8 (16), us per launch: one-step LSTM H=4096
-// B=8 36.1 -> 33.0 (32.0), ReLU H=5760 B=8 29.6 -> 26.1 (25.7), B=4 18.9 -> 17.2 (18.1).
+// step_kernel_probe, session 87 call 1, copy batch 1 -> 8 (16), us per launch: one-step LSTM
+// H=4096 B=8 36.1 -> 33.0 (32.0), ReLU H=5760 B=8 29.6 -> 26.1 (25.7), B=4 18.9 -> 17.2 (18.1);
+// 16 spills in some builds.
 constexpr int kStagedCopyBatch = 8;
 
 // step_fwd_staged's copy of columns b0 .. b0 + ncols - 1 of hprev ([B][H]) into h_s ([H][kCols],
