@@ -215,9 +215,9 @@ def test_staged_step_kernel_by_default(dtype, monkeypatch):
     """By default the staged kernel runs on large layers only (step_kernels.cuh step_launch):
     one-step LSTM H=4096 calls at B=4 (512 chunks of 8 units; a 32 KB copy of h) and at B=8 (a
     64 KB copy: the limit raised), ReLU H=5760 at B=8 (180 chunks of 32 units, 16 bytes of h
-    per nonzero), not at B=1, nor ReLU H=1152 (36 chunks). And at the rule's edges on this GPU:
-    LSTM layers of two chunks per SM at B=4 (8 bytes per nonzero) and of 7/8 at B=8 (16 bytes)
-    run staged, one chunk fewer does not."""
+    per nonzero), on GPUs of up to 205 SMs, not at B=1, nor ReLU H=1152 (36 chunks). And at the
+    rule's edges on this GPU: LSTM layers of two chunks per SM at B=4 (8 bytes per nonzero) and
+    of 7/8 at B=8 (16 bytes) run staged, one chunk fewer does not."""
     monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
     sms = _ffi.cuda_module.plan(4, 0, 1024, 4, 1024)["sms"]  # this GPU's (any layer's plan)
     edge8, edge16 = 2 * sms, -(-7 * sms // 8)  # chunks (rounded up)
