@@ -101,17 +101,15 @@ inline cudaError_t launch_step(const StepLaunch& l, const Params& p, int s, floa
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
                       bool one_step, const StepConfig& cfg, int* staged) {
-  const long long n = static_cast<long long>(p.B) * p.H;
-  if (one_step) {  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    const StepLaunch step = step_launch<C, D, true>(p, cfg);
-    if (cudaError_t e = prepare_step(step, cfg); e != cudaSuccess) return e;
+  const StepLaunch step =
+      one_step ? step_launch<C, D, true>(p, cfg) : step_launch<C, D, false>(p, cfg);
+  if (cudaError_t e = prepare_step(step, cfg); e != cudaSuccess) return e;
+  if (one_step)  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
     return launch_step(step, p, 0, nullptr, nullptr, stream, staged);
-  }
+  const long long n = static_cast<long long>(p.B) * p.H;
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const StepLaunch step = step_launch<C, D, false>(p, cfg);
-  if (cudaError_t e = prepare_step(step, cfg); e != cudaSuccess) return e;
   for (int s = 0; s < p.T; ++s)
     if (cudaError_t e = launch_step(step, p, s, hbuf, cbuf, stream, staged); e != cudaSuccess)
       return e;
