@@ -54,9 +54,17 @@ cudaError_t raise_smem(int, const void* kernel, long long smem) {
                               static_cast<int>(smem));
 }
 
-template <Cell C, bool kOne, int kCopyBatch = sprnn::cuda::kStagedCopyBatch>
+template <Cell C, bool kOne, int kCopyVectors>
 Setting staged(const char* name, const Params& p) {
-  return {name, sprnn::cuda::staged_launch<C, DType::kF16, kOne, kCopyBatch>(p, g_sms), kOne};
+  return {name,
+          sprnn::cuda::staged_launch<C, DType::kF16, kOne, sprnn::cuda::kStagedCopyBatch,
+                                     kCopyVectors>(p, g_sms),
+          kOne};
+}
+
+template <Cell C, bool kOne, int kCopyVectors>
+Setting balanced(const char* name, const Params& p) {
+  return {name, sprnn::cuda::balanced_launch<C, DType::kF16, kOne, kCopyVectors>(p, g_sms), kOne};
 }
 
 template <Cell C>
@@ -68,12 +76,14 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
           setting<C, 4, 2, m>("vec 4 x2, 5", p),
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
-          staged<C, true, 1>("staged, copy batch 1", p),
-          staged<C, true, 8>("staged, copy batch 8", p),
+          staged<C, true, 0>("staged, value copy (session 87)", p),
+          staged<C, true, 4>("staged, vector copy", p),
+          balanced<C, true, 4>("balanced, vector copy", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
-          staged<C, false, 1>("loop step, staged, copy batch 1", p),
-          staged<C, false, 8>("loop step, staged, copy batch 8", p)};
+          staged<C, false, 0>("loop step, staged, value copy", p),
+          staged<C, false, 4>("loop step, staged, vector copy", p),
+          balanced<C, false, 4>("loop step, balanced, vector copy", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

@@ -166,19 +166,28 @@ def test_one_step_calls(cell, dtype):
     assert _ffi.cuda_module.one_step_calls() == calls + len(ONE_STEP_SHAPES)
 
 
-def staged_fits(shape, dtype, one_step):
-    """Whether the staged per-step kernel's copy of h (H x the block's 1, 4 or 8 columns, in the
-    call's dtype for one-step calls, else float32) fits this GPU's shared memory for a block."""
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+def staged_bytes(cell, hidden, batch, dtype, one_step):
+    """Shared memory a block of the staged per-step kernel takes for this layer (h of its 1, 4
+    or 8 columns, in the call's dtype for one-step calls, else float32, and its rows' offsets
+    and parts), as the package computes it."""
+    return _ffi.cuda_module.staged_step_bytes(oracle.GATES[cell], DTYPE_CODES[dtype], hidden,
+                                              batch, one_step)
+
+
+def staged_fits(cell, shape, dtype, one_step):
+    """Whether the staged per-step kernel fits this GPU for this call's layer."""
     _, batch, hidden, _, _ = shape
-    cols = 1 if batch <= 1 else 4 if batch <= 4 else 8
-    copy = hidden * cols * (jnp.dtype(dtype).itemsize if one_step else 4)
-    return copy <= _ffi.cuda_module.staged_step_max_bytes()
+    return (staged_bytes(cell, hidden, batch, dtype, one_step)
+            <= _ffi.cuda_module.staged_step_max_bytes())
 
 
-# One-step shapes about the 48 KB a kernel gets without raising its limit, for 16-bit blocks of 8
-# columns: a 47 KB copy, and 48 KB (which with the block's other 1 KB of shared memory needs the
-# limit raised).
-STAGED_EDGE_SHAPES = [(1, 8, 3008, 0.05, "uniform"), (1, 8, 3072, 0.05, "uniform")]
+# One-step shapes about the 47 KB the staged kernel takes without raising its limit
+# (kStagedDefaultBytes), for 16-bit blocks of 8 columns on a GPU of 132 SMs (the H200): a ReLU
+# layer's block takes 48048 bytes at H=2880 and 48176 at H=2888 (its limit raised).
+STAGED_EDGE_SHAPES = [(1, 8, 2880, 0.05, "uniform"), (1, 8, 2888, 0.05, "uniform")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,19 +201,24 @@ def test_staged_step_kernel(cell, dtype, monkeypatch):
     want = 0
     for n, shape in enumerate(ONE_STEP_SHAPES + STAGED_EDGE_SHAPES):
         check(cell, dtype, shape, -1, n, activation="relu" if cell == "rnn" and n % 2 else "tanh")
-        want += staged_fits(shape, dtype, True)
+        want += staged_fits(cell, shape, dtype, True)
     for n, shape in enumerate(SHAPES):
         check(cell, dtype, shape, 4, n)
-        want += shape[0] * staged_fits(shape, dtype, False)
+        want += shape[0] * staged_fits(cell, shape, dtype, False)
     assert _ffi.cuda_module.staged_steps() == staged + want
 
 
 def test_staged_step_kernel_at_the_device_limit(monkeypatch):
-    """Loop steps whose float32 copy of h (8 columns) takes exactly the largest copy this GPU
-    allows run the staged kernel and match the oracle; one unit more runs step_fwd."""
+    """Loop steps (8 columns, float32 h) of the largest layer whose staged block takes at most
+    the shared memory this GPU allows run the staged kernel and match the oracle; one unit more
+    runs step_fwd."""
     monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", "2")
-    largest = _ffi.cuda_module.staged_step_max_bytes() // (8 * 4)
-    for n, (hidden, want) in enumerate([(largest, 2), (largest + 1, 0)]):
+    limit = _ffi.cuda_module.staged_step_max_bytes()
+    lo, hi = 1, limit // (8 * 4) + 1  # fits at lo, not at hi (h alone would not)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if staged_bytes("rnn", mid, 8, "float32", False) <= limit else (lo, mid)
+    for n, (hidden, want) in enumerate([(lo, 2), (lo + 1, 0)]):
         staged = _ffi.cuda_module.staged_steps()
         check("rnn", "float32", (2, 8, hidden, 0.01, "uniform"), 4, n)
         assert _ffi.cuda_module.staged_steps() == staged + want, f"H={hidden}"
