@@ -78,11 +78,13 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
           staged<C, true, 0>("staged, value copy (session 87)", p),
           staged<C, true, 4>("staged, vector copy", p),
+          balanced<C, true, 0>("balanced, value copy", p),
           balanced<C, true, 4>("balanced, vector copy", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
           staged<C, false, 0>("loop step, staged, value copy", p),
           staged<C, false, 4>("loop step, staged, vector copy", p),
+          balanced<C, false, 0>("loop step, balanced, value copy", p),
           balanced<C, false, 4>("loop step, balanced, vector copy", p)};
 }
 

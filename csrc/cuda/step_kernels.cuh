@@ -359,39 +359,66 @@ constexpr int kStagedCopyBatch = 8;
 // stage_h's vector copy (h rows of whole vectors): 0 = the value-at-a-time copy only.
 constexpr int kStagedCopyVectors = 4;
 
+// Stores vector c of column j of h_{t-1} (units V * c .. V * c + V - 1, V values of type HIn in
+// v) into h_s ([H][kCols]). A warp's lanes hold consecutive (c, j) pairs, j fastest, so stored
+// in unit order their stores would hit the same banks (ReLU H=5760 B=8 one-step: 28.0 -> 40.2
+// us with the values in unit order, step_kernel_probe, session 88 call 2); each lane instead
+// starts at unit c mod V of its vector (the values rotated by selects, not by a dynamic index,
+// which would put them in local memory), so that the lanes of different c hit different banks.
+template <int kCols, class HIn>
+__device__ __forceinline__ void store_h_vector(HIn* h_s, const uint4& v, int j, int c) {
+  constexpr int V = 16 / static_cast<int>(sizeof(HIn));
+  if constexpr (kCols == 1) {
+    reinterpret_cast<uint4*>(h_s)[c] = v;  // [H][1]: the row itself
+  } else {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t e[V];  // the values' bits
+#pragma unroll
+    for (int t = 0; t < V; ++t) e[t] = V == 4 ? w[t % 4] : (w[t / 2] >> (16 * (t % 2))) & 0xffffu;
+    const int r = c % V;
+#pragma unroll
+    for (int bit = 1; bit < V; bit <<= 1) {  // rotate left by r, one bit of r at a time
+      uint32_t rot[V];
+#pragma unroll
+      for (int t = 0; t < V; ++t) rot[t] = (r & bit) ? e[(t + bit) % V] : e[t];
+#pragma unroll
+      for (int t = 0; t < V; ++t) e[t] = rot[t];
+    }
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      const long long u = static_cast<long long>(V) * c + (t + r) % V;
+      if constexpr (V == 4) h_s[u * kCols + j] = __uint_as_float(e[t]);
+      else h_s[u * kCols + j] = static_cast<HIn>(e[t]);
+    }
+  }
+}
+
 // step_fwd_staged's copy of columns b0 .. b0 + ncols - 1 of hprev ([B][H]) into h_s ([H][kCols],
 // coalesced reads of each column's row); columns past ncols are zero (never summed). Where each
-// column's row is whole 16-byte vectors, kVectors of them per thread at a time (predicated);
-// else values: whole batches of kBatch values first, then the rest one at a time, so that a
-// small copy (fewer than kBatch values per thread) costs no more than without batches.
+// column's row is whole 16-byte vectors, kVectors of them per thread at a time (predicated,
+// loaded before any is stored; store_h_vector); else values: whole batches of kBatch values
+// first, then the rest one at a time, so that a small copy (fewer than kBatch values per thread)
+// costs no more than without batches.
 template <int kCols, int kBatch, int kVectors, class HIn>
 __device__ __forceinline__ void stage_h(const HIn* hprev, HIn* h_s, int H, int b0, int ncols) {
   const int stride = static_cast<int>(blockDim.x);
   constexpr int V = 16 / static_cast<int>(sizeof(HIn));  // values per vector
   if (kVectors > 0 && H % V == 0 && reinterpret_cast<unsigned long long>(hprev) % 16 == 0) {
-    const int hv = H / V, n = kCols * hv;  // vectors per column row, in the copy
+    const int n = kCols * (H / V);  // vectors in the copy: vector i is column i % kCols's
     for (int i = static_cast<int>(threadIdx.x); i < n; i += kVectors * stride) {
       uint4 v[kVectors > 0 ? kVectors : 1];
 #pragma unroll
       for (int q = 0; q < kVectors; ++q) {
-        const int iq = i + q * stride, j = iq / hv;
-        v[q] = iq < n && j < ncols ? __ldcg(reinterpret_cast<const uint4*>(
-                                              hprev + static_cast<long long>(b0 + j) * H) +
-                                          iq % hv)
-                                   : make_uint4(0u, 0u, 0u, 0u);
+        const int iq = i + q * stride, j = iq % kCols;
+        v[q] = iq < n && j < ncols
+                   ? __ldcg(reinterpret_cast<const uint4*>(hprev + static_cast<long long>(b0 + j) * H) +
+                            iq / kCols)
+                   : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int q = 0; q < kVectors; ++q) {
         const int iq = i + q * stride;
-        if (iq < n) {
-          const uint32_t w[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
-          HIn* dst = h_s + static_cast<long long>(iq % hv) * V * kCols + iq / hv;
-#pragma unroll
-          for (int t = 0; t < V; ++t) {
-            if constexpr (V == 4) dst[t * kCols] = __uint_as_float(w[t]);
-            else dst[t * kCols] = static_cast<HIn>(w[t / 2] >> (16 * (t % 2)));
-          }
-        }
+        if (iq < n) store_h_vector<kCols>(h_s, v[q], iq % kCols, iq / kCols);
       }
     }
     return;
