@@ -1,10 +1,11 @@
 // The per-step kernel's row loads (step_kernels.cuh: kVec nonzeros per load, kUnroll loads in
 // flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
 // fp16, B = 4, 1 and 8) without JAX, and as loop steps (variant 4 and layers off chip: h from
-// the float32 workspace), step_fwd against step_fwd_staged (h_{t-1} copied on chip; above 47 KB
-// by raising the kernel's limit): us per launch over back-to-back launches, medians of 5 rounds,
-// and each setting's largest difference in ys / cs from the first (session 82's kernel: 8
-// column slots, one nonzero per load), of one launch from the same state.
+// the float32 workspace), step_fwd against step_fwd_staged (h_{t-1} copied on chip, by values
+// or by 16-byte vectors; above 47 KB by raising the kernel's limit): us per launch over
+// back-to-back launches, medians of 5 rounds, and each setting's largest difference in ys / cs
+// from the first (session 82's kernel: 8 column slots, one nonzero per load), of one launch
+// from the same state.
 //
 //   benchmarks/gpu_check.sh step-kernel
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
@@ -54,17 +55,11 @@ cudaError_t raise_smem(int, const void* kernel, long long smem) {
                               static_cast<int>(smem));
 }
 
-template <Cell C, bool kOne, int kCopyVectors>
+template <Cell C, bool kOne, int kCopyBatch, int kCopyVectors>
 Setting staged(const char* name, const Params& p) {
   return {name,
-          sprnn::cuda::staged_launch<C, DType::kF16, kOne, sprnn::cuda::kStagedCopyBatch,
-                                     kCopyVectors>(p, g_sms),
+          sprnn::cuda::staged_launch<C, DType::kF16, kOne, kCopyBatch, kCopyVectors>(p, g_sms),
           kOne};
-}
-
-template <Cell C, bool kOne, int kCopyVectors>
-Setting balanced(const char* name, const Params& p) {
-  return {name, sprnn::cuda::balanced_launch<C, DType::kF16, kOne, kCopyVectors>(p, g_sms), kOne};
 }
 
 template <Cell C>
@@ -76,16 +71,13 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
           setting<C, 4, 2, m>("vec 4 x2, 5", p),
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
-          staged<C, true, 0>("staged, value copy (session 87)", p),
-          staged<C, true, 4>("staged, vector copy", p),
-          balanced<C, true, 0>("balanced, value copy", p),
-          balanced<C, true, 4>("balanced, vector copy", p),
+          staged<C, true, 1, 0>("staged, copy batch 1", p),
+          staged<C, true, 8, 0>("staged, copy batch 8 (session 87)", p),
+          staged<C, true, 8, 4>("staged, vector copy", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
-          staged<C, false, 0>("loop step, staged, value copy", p),
-          staged<C, false, 4>("loop step, staged, vector copy", p),
-          balanced<C, false, 0>("loop step, balanced, value copy", p),
-          balanced<C, false, 4>("loop step, balanced, vector copy", p)};
+          staged<C, false, 8, 0>("loop step, staged, copy batch 8", p),
+          staged<C, false, 8, 4>("loop step, staged, vector copy", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

@@ -166,28 +166,19 @@ def test_one_step_calls(cell, dtype):
     assert _ffi.cuda_module.one_step_calls() == calls + len(ONE_STEP_SHAPES)
 
 
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
-
-
-def staged_bytes(cell, hidden, batch, dtype, one_step):
-    """Shared memory a block of the staged per-step kernel takes for this layer (h of its 1, 4
-    or 8 columns, in the call's dtype for one-step calls, else float32, and its rows' offsets
-    and parts), as the package computes it."""
-    return _ffi.cuda_module.staged_step_bytes(oracle.GATES[cell], DTYPE_CODES[dtype], hidden,
-                                              batch, one_step)
-
-
-def staged_fits(cell, shape, dtype, one_step):
-    """Whether the staged per-step kernel fits this GPU for this call's layer."""
+def staged_fits(shape, dtype, one_step):
+    """Whether the staged per-step kernel's copy of h (H x the block's 1, 4 or 8 columns, in the
+    call's dtype for one-step calls, else float32) fits this GPU's shared memory for a block."""
     _, batch, hidden, _, _ = shape
-    return (staged_bytes(cell, hidden, batch, dtype, one_step)
-            <= _ffi.cuda_module.staged_step_max_bytes())
+    cols = 1 if batch <= 1 else 4 if batch <= 4 else 8
+    copy = hidden * cols * (jnp.dtype(dtype).itemsize if one_step else 4)
+    return copy <= _ffi.cuda_module.staged_step_max_bytes()
 
 
-# One-step shapes about the 47 KB the staged kernel takes without raising its limit
-# (kStagedDefaultBytes), for 16-bit blocks of 8 columns on a GPU of 132 SMs (the H200): a ReLU
-# layer's block takes 48048 bytes at H=2880 and 48176 at H=2888 (its limit raised).
-STAGED_EDGE_SHAPES = [(1, 8, 2880, 0.05, "uniform"), (1, 8, 2888, 0.05, "uniform")]
+# One-step shapes about the 48 KB a kernel gets without raising its limit, for 16-bit blocks of 8
+# columns: a 47 KB copy, and 48 KB (which with the block's other 1 KB of shared memory needs the
+# limit raised).
+STAGED_EDGE_SHAPES = [(1, 8, 3008, 0.05, "uniform"), (1, 8, 3072, 0.05, "uniform")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -201,24 +192,19 @@ def test_staged_step_kernel(cell, dtype, monkeypatch):
     want = 0
     for n, shape in enumerate(ONE_STEP_SHAPES + STAGED_EDGE_SHAPES):
         check(cell, dtype, shape, -1, n, activation="relu" if cell == "rnn" and n % 2 else "tanh")
-        want += staged_fits(cell, shape, dtype, True)
+        want += staged_fits(shape, dtype, True)
     for n, shape in enumerate(SHAPES):
         check(cell, dtype, shape, 4, n)
-        want += shape[0] * staged_fits(cell, shape, dtype, False)
+        want += shape[0] * staged_fits(shape, dtype, False)
     assert _ffi.cuda_module.staged_steps() == staged + want
 
 
 def test_staged_step_kernel_at_the_device_limit(monkeypatch):
-    """Loop steps (8 columns, float32 h) of the largest layer whose staged block takes at most
-    the shared memory this GPU allows run the staged kernel and match the oracle; one unit more
-    runs step_fwd."""
+    """Loop steps whose float32 copy of h (8 columns) takes exactly the largest copy this GPU
+    allows run the staged kernel and match the oracle; one unit more runs step_fwd."""
     monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", "2")
-    limit = _ffi.cuda_module.staged_step_max_bytes()
-    lo, hi = 1, limit // (8 * 4) + 1  # fits at lo, not at hi (h alone would not)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if staged_bytes("rnn", mid, 8, "float32", False) <= limit else (lo, mid)
-    for n, (hidden, want) in enumerate([(lo, 2), (lo + 1, 0)]):
+    largest = _ffi.cuda_module.staged_step_max_bytes() // (8 * 4)
+    for n, (hidden, want) in enumerate([(largest, 2), (largest + 1, 0)]):
         staged = _ffi.cuda_module.staged_steps()
         check("rnn", "float32", (2, 8, hidden, 0.01, "uniform"), 4, n)
         assert _ffi.cuda_module.staged_steps() == staged + want, f"H={hidden}"
@@ -227,18 +213,18 @@ def test_staged_step_kernel_at_the_device_limit(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_staged_step_kernel_by_default(dtype, monkeypatch):
     """By default the staged kernel runs on large layers only (step_kernels.cuh step_launch):
-    one-step LSTM H=4096 calls at B=4 (512 chunks of 8 units; a 32 KB copy of h) and at B=8 (a
-    64 KB copy: the limit raised), ReLU H=5760 at B=8 (180 chunks of 32 units, 16 bytes of h
-    per nonzero), on GPUs of up to 205 SMs, not at B=1, nor ReLU H=1152 (36 chunks). And at the
-    rule's edges on this GPU: LSTM layers of two chunks per SM at B=4 (8 bytes per nonzero) and
-    of 7/8 at B=8 (16 bytes) run staged, one chunk fewer does not."""
+    one-step LSTM H=4096 calls (512 chunks of 8 units) at B=1, 4 and 8 (a 64 KB copy of h: the
+    limit raised), ReLU H=5760 (180 chunks of 32 units) at B=4 and 8, on GPUs of 132 to 205
+    SMs; not ReLU H=5760 at B=1 nor ReLU H=1152 (36 chunks). And at the rule's edges on this
+    GPU: LSTM layers of two chunks per SM at B=1, of 7/8 of a chunk per SM at B=4 and B=8, run
+    staged; one chunk fewer does not."""
     monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
     sms = _ffi.cuda_module.plan(4, 0, 1024, 4, 1024)["sms"]  # this GPU's (any layer's plan)
-    edge8, edge16 = 2 * sms, -(-7 * sms // 8)  # chunks (rounded up)
-    cases = [("lstm", (1, 4, 4096, 0.1, "uniform"), 1), ("lstm", (1, 8, 4096, 0.1, "uniform"), 1),
-             ("lstm", (1, 1, 4096, 0.1, "uniform"), 0), ("rnn", (1, 4, 1152, 0.1, "uniform"), 0),
-             ("rnn", (1, 8, 5760, 0.1, "uniform"), 1)]
-    for batch, edge in [(4, edge8), (8, edge16)]:
+    two, seven_eighths = 2 * sms, -(-7 * sms // 8)  # chunks (rounded up)
+    cases = [("lstm", (1, batch, 4096, 0.1, "uniform"), 1) for batch in (1, 4, 8)]
+    cases += [("rnn", (1, 4, 5760, 0.1, "uniform"), 1), ("rnn", (1, 8, 5760, 0.1, "uniform"), 1),
+              ("rnn", (1, 1, 5760, 0.1, "uniform"), 0), ("rnn", (1, 4, 1152, 0.1, "uniform"), 0)]
+    for batch, edge in [(1, two), (4, seven_eighths), (8, seven_eighths)]:
         cases += [("lstm", (1, batch, 8 * edge, 0.1, "uniform"), 1),
                   ("lstm", (1, batch, 8 * (edge - 1), 0.1, "uniform"), 0)]
     for n, (cell, shape, want) in enumerate(cases):

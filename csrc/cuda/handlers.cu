@@ -1173,18 +1173,7 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("no CUDA device");
     return sprnn::cuda::step_config(dev).max_bytes;
-  }, "The most shared memory (bytes) a block of the staged per-step kernel takes on this device.");
-  m.def("staged_step_bytes", [](int gates, int dtype, int hidden, int batch, bool one_step) {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("no CUDA device");
-    const long long h_bytes = one_step ? sprnn::cuda::s_bytes_of(dtype) : 4;
-    return sprnn::cuda::balanced_grid(gates, hidden, batch, h_bytes,
-                                      sprnn::cuda::step_config(dev).sms).smem;
-  }, py::arg("gates"), py::arg("dtype"), py::arg("hidden"), py::arg("batch"),
-        py::arg("one_step"),
-        "Shared memory (bytes) a block of the staged per-step kernel needs for a layer of "
-        "`hidden` units and `gates` gates, `batch` columns, dtype code 0/1/2, on this device: h "
-        "(one_step: in the dtype, else float32), the block's row offsets and row parts.");
+  }, "The largest copy of h_{t-1} (bytes) the staged per-step kernel takes on this device.");
   m.def("one_step_calls", []() { return sprnn::cuda::g_one_step_calls.load(); },
         "Calls of one step (T = 1, the default variant) so far, each run as a single launch of "
         "the per-step kernel instead of the persistent kernel.");

@@ -103,17 +103,26 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
          at(cols) % (kColBytes < 16 ? kColBytes : 16) == 0;
 }
 
-// A warp's sums, per lane, of the nonzeros [k0, k1) for kCols batch columns: accumulate(w, col,
-// in, a) adds one nonzero (in: inside [k0, k1)) to the column sums a. Lanes take kVec
-// consecutive nonzeros per load from k0 rounded down to a multiple of kVec (vals and cols
-// aligned: nonzeros_aligned), kUnroll loads before the first gather.
-template <DType D, int kCols, int kVec, int kUnroll, class Accumulate>
-__device__ __forceinline__ void segment_sums(const Params& p, bool aligned, int k0, int k1,
-                                             float (&a)[kCols], Accumulate accumulate) {
-  static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "k0 is rounded down to a multiple");
+// Warp `warp`'s row sums for kCols batch columns: the row is gate warp % G of unit u0 + warp / G,
+// accumulate(w, col, in, a) adds one nonzero (in: inside the row) to the column sums a, and lane
+// 0 stores the warp's sums into sums[warp / G][warp % G][j] for the block's ncols columns.
+template <Cell kCell, DType D, int kCols, int kVec, int kUnroll, class Accumulate>
+__device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, float* sums,
+                                         Accumulate accumulate) {
+  constexpr int G = gates_of(kCell);
+  static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "the rows round k0 down to a multiple");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int u = u0 + warp / G;
+  if (u >= p.H) return;
+  float a[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
   const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
+  const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
+  const long long r = static_cast<long long>(u) * G + warp % G;
+  const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
   constexpr int kPass = 32 * kVec;
-  for (int k = (k0 & -kVec) + (threadIdx.x & 31) * kVec; k < k1; k += kPass * kUnroll) {
+  for (int k = (k0 & -kVec) + lane * kVec; k < k1; k += kPass * kUnroll) {
     float w[kUnroll][kVec];
     int c[kUnroll][kVec];
 #pragma unroll
@@ -123,48 +132,21 @@ __device__ __forceinline__ void segment_sums(const Params& p, bool aligned, int 
     for (int q = 0; q < kUnroll; ++q) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) {
-        // A nonzero outside [k0, k1) reads column 0; accumulate drops its sum by a select or a
+        // A nonzero outside the row reads column 0; accumulate drops its sum by a select or a
         // predicate, not by 0 * h (h may be inf).
         const bool in = c[q][v] >= 0;
         accumulate(w[q][v], in ? c[q][v] : 0, in, a);
       }
     }
   }
-}
-
-// The warp's total of each of its first ncols column sums, in every lane.
-template <int kCols>
-__device__ __forceinline__ void warp_sums(float (&a)[kCols], int ncols) {
 #pragma unroll
   for (int j = 0; j < kCols; ++j) {
     if (j < ncols) {
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
+      if (lane == 0) sums[((warp / G) * G + warp % G) * kCols + j] = a[j];
     }
   }
-}
-
-// Warp `warp`'s row sums for kCols batch columns (segment_sums over its row): the row is gate
-// warp % G of unit u0 + warp / G, and lane 0 stores the warp's sums into
-// sums[warp / G][warp % G][j] for the block's ncols columns.
-template <Cell kCell, DType D, int kCols, int kVec, int kUnroll, class Accumulate>
-__device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, float* sums,
-                                         Accumulate accumulate) {
-  constexpr int G = gates_of(kCell);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int u = u0 + warp / G;
-  if (u >= p.H) return;
-  float a[kCols];
-#pragma unroll
-  for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
-  const bool aligned = nonzeros_aligned<D, kVec>(p.values, p.col_idx);
-  const long long r = static_cast<long long>(u) * G + warp % G;
-  const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
-  segment_sums<D, kCols, kVec, kUnroll>(p, aligned, k0, k1, a, accumulate);
-  warp_sums<kCols>(a, ncols);
-#pragma unroll
-  for (int j = 0; j < kCols; ++j)
-    if (j < ncols && lane == 0) sums[((warp / G) * G + warp % G) * kCols + j] = a[j];
 }
 
 // The update of unit u, column b at step s from its gate sums hw (row_sums'), for a call of one
@@ -440,22 +422,6 @@ __device__ __forceinline__ void stage_h(const HIn* hprev, HIn* h_s, int H, int b
   for (; i < n; i += stride) store(i, load(i));
 }
 
-// The staged kernels' accumulate (segment_sums): one load of the nonzero's column of h_s
-// ([H][kCols], stage_h's copy) for all kCols columns.
-template <DType kHType, int kCols>
-struct StagedGather {
-  const typename Tr<kHType>::S* h_s;
-  __device__ __forceinline__ void operator()(float w, int col, bool in, float (&a)[kCols]) const {
-    float h[kCols];
-    load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const float sum = fmaf(w, h[j], a[j]);
-      a[j] = in ? sum : a[j];
-    }
-  }
-};
-
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
           int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
 __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
@@ -483,140 +449,20 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
     const int u0 = static_cast<int>(chunk) * U;
     if (running) {
-      row_sums<kCell, D, kCols, kVec, 1>(p, u0, ncols, sums, StagedGather<kHType, kCols>{h_s});
+      row_sums<kCell, D, kCols, kVec, 1>(
+          p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
+            float h[kCols];
+            load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) {
+              const float sum = fmaf(w, h[j], a[j]);
+              a[j] = in ? sum : a[j];
+            }
+          });
     }
     __syncthreads();
     update_block<kCell, D, kOneStep, U, kCols>(p, s, u0, b0, ncols, sums, hin, hout, cbuf);
     __syncthreads();  // sums are rewritten by the next chunk
-  }
-}
-
-// ---- the balanced staged kernel ----------------------------------------------------------------
-//
-// step_fwd_staged's blocks take whole chunks of 32 rows, a warp per row, so where the chunks do
-// not divide evenly among the blocks some run one more chunk than others (ReLU H=5760: 180
-// chunks on 132 SMs, 48 blocks run two and the step waits for them). step_fwd_balanced gives
-// each block an equal share of the units (one block per SM per column group, as the staged
-// kernel), and each of its warps an equal share of those units' nonzeros, splitting rows
-// between warps. A warp's part of row r goes to its own slot, parts[r + warp] (unique: along
-// the nonzeros both the row and the warp only grow), and the update adds a row's parts in warp
-// order, so the sums do not depend on timing.
-constexpr int kBalancedWarps = 32;
-
-// The first unit of block g of n in a column group (its units end where block g + 1's begin).
-__host__ __device__ inline int balanced_unit(int H, int g, int n) {
-  return static_cast<int>(static_cast<long long>(H) * g / n);
-}
-
-// step_fwd_balanced's shared memory, in bytes from its start: h_{t-1} ([H][cols]), the row
-// offsets of the block's rows (rows + 1), the warps' first nonzeros (kBalancedWarps + 1), the
-// parts ([rows + kBalancedWarps][cols] floats); rows: the most rows of any block.
-struct BalancedSmem {
-  long long rows, bounds, parts, total;
-};
-
-__host__ __device__ inline BalancedSmem balanced_smem(long long h_bytes, int cols, int rows) {
-  const auto align16 = [](long long n) { return (n + 15) / 16 * 16; };
-  BalancedSmem l{};
-  l.rows = align16(h_bytes);
-  l.bounds = l.rows + align16((rows + 1) * 4LL);
-  l.parts = l.bounds + align16((kBalancedWarps + 1) * 4LL);
-  l.total = l.parts + static_cast<long long>(rows + kBalancedWarps) * cols * 4;
-  return l;
-}
-
-// The most rows of a block of a layer of H units of G gates, for n blocks per column group.
-__host__ __device__ inline int balanced_rows(int H, int G, int n) { return (H + n - 1) / n * G; }
-
-// Warp w's first nonzero of the block's [k0, k1): an equal share, rounded down to a multiple of
-// kVec for segment_sums' aligned loads (not below k0); w = kBalancedWarps gives k1.
-template <int kVec>
-__device__ __forceinline__ int warp_first_nonzero(int k0, int k1, int w) {
-  if (w >= kBalancedWarps) return k1;
-  const int k = (k0 + static_cast<int>(static_cast<long long>(k1 - k0) * w / kBalancedWarps)) & -kVec;
-  return k > k0 ? k : k0;
-}
-
-// The last index i in [lo, hi) with v[i] <= x, given v[lo] <= x and v non-decreasing.
-__device__ __forceinline__ int last_at_most(const int* v, int lo, int hi, int x) {
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (v[mid] <= x) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
-// Row r's sum for column j: its parts, in warp order (0 for an empty row).
-template <int kCols>
-__device__ __forceinline__ float balanced_row_sum(const int* rows_s, const int* bounds_s,
-                                                  const float* parts, int r, int j) {
-  const int rs = rows_s[r], re = rows_s[r + 1];
-  float sum = 0.0f;
-  if (rs == re) return sum;
-  for (int w = last_at_most(bounds_s, 0, kBalancedWarps, rs);
-       w < kBalancedWarps && bounds_s[w] < re; ++w)
-    if (max(rs, bounds_s[w]) < min(re, bounds_s[w + 1])) sum += parts[(r + w) * kCols + j];
-  return sum;
-}
-
-template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
-          int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
-__global__ void __launch_bounds__(32 * kBalancedWarps, 1)
-    step_fwd_balanced(Params p, int s, float* hbuf, float* cbuf) {
-  constexpr DType kHType = kStepHType<D, kOneStep>;
-  using HIn = typename Tr<kHType>::S;
-  constexpr int G = gates_of(kCell);
-  extern __shared__ __align__(16) unsigned char step_balanced_smem[];
-  const int H = p.H, B = p.B;
-  const int groups = (B + kCols - 1) / kCols;
-  const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
-  const int g = static_cast<int>(blockIdx.x) % per_group;
-  const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
-  const int ncols = min(kCols, B - b0);
-  const int ua = balanced_unit(H, g, per_group), nu = balanced_unit(H, g + 1, per_group) - ua;
-  const int nrows = nu * G;
-  const BalancedSmem L = balanced_smem(static_cast<long long>(H) * kCols * sizeof(HIn), kCols,
-                                       balanced_rows(H, G, per_group));
-  HIn* h_s = reinterpret_cast<HIn*>(step_balanced_smem);                    // [H][kCols]
-  int* rows_s = reinterpret_cast<int*>(step_balanced_smem + L.rows);        // nrows + 1
-  int* bounds_s = reinterpret_cast<int*>(step_balanced_smem + L.bounds);    // warps + 1
-  float* parts = reinterpret_cast<float*>(step_balanced_smem + L.parts);
-  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
-  const long long r0 = static_cast<long long>(ua) * G;
-  for (int i = tid; i <= nrows; i += static_cast<int>(blockDim.x)) rows_s[i] = __ldg(p.row_ptr + r0 + i);
-  if (tid <= kBalancedWarps)
-    bounds_s[tid] = warp_first_nonzero<kVec>(__ldg(p.row_ptr + r0), __ldg(p.row_ptr + r0 + nrows), tid);
-  const float* hin = workspace_h<kOneStep>(p, hbuf, s);
-  float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
-  stage_h<kCols, kCopyBatch, kCopyVectors>(step_hprev<D, kOneStep>(p, hin), h_s, H, b0, ncols);
-  __syncthreads();
-  const bool running = s < max_seq_len(p, b0, b0 + ncols);
-  const int wa = bounds_s[warp], wb = bounds_s[warp + 1];
-  if (running && wa < wb) {
-    const bool aligned = nonzeros_aligned<D, kVec>(p.values, p.col_idx);
-    for (int r = last_at_most(rows_s, 0, nrows, wa); r < nrows && rows_s[r] < wb; ++r) {
-      const int sa = max(rows_s[r], wa), sb = min(rows_s[r + 1], wb);
-      if (sa >= sb) continue;  // an empty row
-      float a[kCols];
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
-      segment_sums<D, kCols, kVec, 1>(p, aligned, sa, sb, a, StagedGather<kHType, kCols>{h_s});
-      warp_sums<kCols>(a, ncols);
-#pragma unroll
-      for (int j = 0; j < kCols; ++j)
-        if (j < ncols && lane == 0) parts[(r + warp) * kCols + j] = a[j];
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < nu * kCols; i += static_cast<int>(blockDim.x)) {
-    const int j = i % kCols, ul = i / kCols;
-    if (j >= ncols) continue;
-    float hw[G];
-#pragma unroll
-    for (int q = 0; q < G; ++q)
-      hw[q] = running ? balanced_row_sum<kCols>(rows_s, bounds_s, parts, ul * G + q, j) : 0.0f;
-    update_unit<kCell, D, kOneStep>(p, s, b0 + j, ua + ul, hw, hin, hout, cbuf);
   }
 }
 
@@ -685,67 +531,29 @@ StepLaunch staged_launch(const Params& p, int sms) {
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
-// step_fwd_balanced for a block of `cols` batch columns.
-template <Cell C, DType D, bool kOneStep, int kCopyVectors = kStagedCopyVectors>
-auto step_balanced_kernel(int cols) {
-  switch (cols) {
-    case 1: return &step_fwd_balanced<C, D, kOneStep, 1, kStepVec, kStagedCopyBatch, kCopyVectors>;
-    case 4: return &step_fwd_balanced<C, D, kOneStep, 4, kStepVec, kStagedCopyBatch, kCopyVectors>;
-    default: return &step_fwd_balanced<C, D, kOneStep, 8, kStepVec, kStagedCopyBatch, kCopyVectors>;
-  }
-}
-
-// step_fwd_balanced's grid for a layer of H units of G gates and B columns whose h_{t-1} takes
-// h_bytes per unit and column: per column group as many blocks as `sms` allows (at least one, at
-// most a unit each), and the shared memory of each.
-struct BalancedGrid {
-  long long blocks;
-  long long smem;
-};
-
-inline BalancedGrid balanced_grid(int G, int H, int B, long long h_bytes, int sms) {
-  const int cols = step_cols(B);
-  const long long groups = (B + cols - 1) / cols;
-  const int per_group = static_cast<int>(std::max(1LL, std::min<long long>(H, sms / groups)));
-  return {groups * per_group,
-          balanced_smem(H * h_bytes * cols, cols, balanced_rows(H, G, per_group)).total};
-}
-
-template <Cell C, DType D, bool kOneStep, int kCopyVectors = kStagedCopyVectors>
-StepLaunch balanced_launch(const Params& p, int sms) {
-  const int cols = step_cols(p.B);
-  const BalancedGrid g =
-      balanced_grid(gates_of(C), p.H, p.B, step_h_bytes<D>(cols, kOneStep) / cols, sms);
-  return {step_balanced_kernel<C, D, kOneStep, kCopyVectors>(cols), g.blocks,
-          32 * kBalancedWarps, g.smem, true};
-}
-
 // Raises the staged kernel's shared-memory limit for a copy above the default, before l runs.
 inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
   if (!l.staged || l.smem <= kStagedDefaultBytes) return cudaSuccess;
   return cfg.raise_smem(cfg.dev, reinterpret_cast<const void*>(l.kernel), l.smem);
 }
 
-// step_fwd_staged where its copy fits and (by default) where it wins: blocks of 4 or 8 columns
-// with at least two unit chunks per SM, or, where step_fwd gathers 16 bytes or more per nonzero,
-// at least one (7/8 with 8 columns). fp16 us per launch (step_kernel_probe, session 87 call 2),
-// step_fwd -> staged: one-step B=4 (8 bytes) LSTM H=4096 (512 chunks) 34.2 -> 24.0, ReLU H=5760
-// (180 chunks) 18.1 -> 18.5, LSTM H=1024 (128 chunks: the copy not amortised) 6.5 -> 7.3, ReLU
-// H=1152 (36 chunks: 36 SMs busy) 5.1 -> 7.3; loop steps B=4 (16 bytes) ReLU H=5760 23.8 ->
-// 20.8, LSTM H=1024 7.3 -> 7.7; B=8 (16 and 32 bytes) ReLU H=5760 39.3 -> 28.0 and 55.3 ->
-// 38.4, LSTM H=1024 9.6 -> 9.0 and 11.1 -> 10.5; B=1, where step_fwd gathers once per nonzero
-// anyway, LSTM H=4096 16.7 -> 16.9, ReLU H=5760 8.1 -> 12.0.
+// step_fwd_staged where its copy fits and (by default) where it wins: at least two unit chunks
+// per SM, or, with blocks of 4 or 8 columns, 7/8 of a chunk per SM. fp16 us per launch with
+// stage_h's vector copy (step_kernel_probe, session 88 call 3), step_fwd -> staged: one-step B=1
+// LSTM H=4096 (512 chunks) 16.4 -> 15.5, ReLU H=5760 (180) 8.1 -> 9.8, LSTM H=1024 (128) 4.8 ->
+// 5.0; B=4 LSTM H=4096 34.1 -> 21.3, ReLU H=5760 18.0 -> 14.4, LSTM H=1024 6.5 -> 6.4, ReLU
+// H=1152 (36 chunks: 36 SMs busy) 5.2 -> 6.1; B=8 ReLU H=5760 38.5 -> 21.8, LSTM H=1024 9.2 ->
+// 8.1, ReLU H=1152 8.4 -> 8.0; loop steps B=1 LSTM H=4096 18.7 -> 17.1, ReLU H=5760 9.3 -> 10.3;
+// B=4 LSTM H=1024 7.2 -> 7.0, ReLU H=1152 5.8 -> 6.6; B=8 LSTM H=1024 11.5 -> 9.8.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
-  const StepLaunch staged = balanced_launch<C, D, kOneStep>(p, cfg.sms);
-  const bool fits = staged.smem <= kStagedDefaultBytes ||
-                    (staged.smem <= cfg.max_bytes && cfg.raise_smem);
+  const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
+  const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
   const long long chunks = unit_chunks<kStagedUnits<C>>(p);
-  const bool wide = step_h_bytes<D>(cols, kOneStep) >= 16;
-  const bool wins = cols >= 4 && (chunks >= 2LL * cfg.sms ||
-                                  (wide && 8 * chunks >= (cols == 8 ? 7LL : 8LL) * cfg.sms));
-  if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins))) return staged;
+  const bool wins = chunks >= 2LL * cfg.sms || (cols >= 4 && 8 * chunks >= 7LL * cfg.sms);
+  if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
+    return staged_launch<C, D, kOneStep>(p, cfg.sms);
   return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};
 }
 #endif
