@@ -73,11 +73,13 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, 8, 1, m>("vec 8 x1, 5", p),
           staged<C, true, 1, 0>("staged, copy batch 1", p),
           staged<C, true, 8, 0>("staged, copy batch 8 (session 87)", p),
-          staged<C, true, 8, 4>("staged, vector copy", p),
+          staged<C, true, 8, 4>("staged, vector copy 4", p),
+          staged<C, true, 8, 8>("staged, vector copy 8", p),
           setting<C, v, x, m, false, false>("loop step, step_fwd", p),
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
           staged<C, false, 8, 0>("loop step, staged, copy batch 8", p),
-          staged<C, false, 8, 4>("loop step, staged, vector copy", p)};
+          staged<C, false, 8, 4>("loop step, staged, vector copy 4", p),
+          staged<C, false, 8, 8>("loop step, staged, vector copy 8", p)};
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }
