@@ -103,24 +103,11 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
          at(cols) % (kColBytes < 16 ? kColBytes : 16) == 0;
 }
 
-// The nonzeros [x, y) of warp `warp`'s row in the block of units from u0 (row_sums'): gate
-// warp % G of unit u0 + warp / G; none past H.
-template <Cell kCell>
-__device__ __forceinline__ int2 warp_row(const Params& p, int u0) {
-  constexpr int G = gates_of(kCell);
-  const int warp = threadIdx.x >> 5;
-  const int u = u0 + warp / G;
-  if (u >= p.H) return make_int2(0, 0);
-  const long long r = static_cast<long long>(u) * G + warp % G;
-  return make_int2(__ldg(p.row_ptr + r), __ldg(p.row_ptr + r + 1));
-}
-
 // Warp `warp`'s row sums for kCols batch columns: the row is gate warp % G of unit u0 + warp / G,
-// its nonzeros `row` (warp_row), accumulate(w, col, in, a) adds one nonzero (in: inside the row)
-// to the column sums a, and lane 0 stores the warp's sums into sums[warp / G][warp % G][j] for
-// the block's ncols columns.
+// accumulate(w, col, in, a) adds one nonzero (in: inside the row) to the column sums a, and lane
+// 0 stores the warp's sums into sums[warp / G][warp % G][j] for the block's ncols columns.
 template <Cell kCell, DType D, int kCols, int kVec, int kUnroll, class Accumulate>
-__device__ __forceinline__ void row_sums(const Params& p, int u0, int2 row, int ncols, float* sums,
+__device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, float* sums,
                                          Accumulate accumulate) {
   constexpr int G = gates_of(kCell);
   static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "the rows round k0 down to a multiple");
@@ -132,7 +119,8 @@ __device__ __forceinline__ void row_sums(const Params& p, int u0, int2 row, int 
   for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
   const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
   const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
-  const int k0 = row.x, k1 = row.y;
+  const long long r = static_cast<long long>(u) * G + warp % G;
+  const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
   constexpr int kPass = 32 * kVec;
   for (int k = (k0 & -kVec) + lane * kVec; k < k1; k += kPass * kUnroll) {
     float w[kUnroll][kVec];
@@ -292,7 +280,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
   }
   if (s < max_seq_len(p, b0, b0 + ncols)) {  // any column of the block runs step s
     row_sums<kCell, D, kCols, kVec, kUnroll>(
-        p, u0, warp_row<kCell>(p, u0), ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
+        p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
 #pragma unroll
           for (int j = 0; j < kCols; ++j) {
             if constexpr (kSelect) {
@@ -351,7 +339,7 @@ constexpr int kStagedCopyBatch = 8;
 
 // Vectors of 16 bytes of h_{t-1} a thread of the staged kernels loads before it stores them, in
 // stage_h's vector copy (h rows of whole vectors): 0 = the value-at-a-time copy only.
-constexpr int kStagedCopyVectors = 8;
+constexpr int kStagedCopyVectors = 4;
 
 // Stores vector c of column j of h_{t-1} (units V * c .. V * c + V - 1, V values of type HIn in
 // v) into h_s ([H][kCols]). A warp's lanes hold consecutive (c, j) pairs, j fastest, so stored
@@ -454,20 +442,15 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   const float* hin = workspace_h<kOneStep>(p, hbuf, s);
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
-  // Each chunk's row offsets are loaded a chunk ahead (the first chunk's during the copy), so
-  // that a chunk's rows start with their nonzeros' loads, not with a round trip for the offsets.
-  const int chunks = static_cast<int>(unit_chunks<U>(p));
-  int chunk = static_cast<int>(blockIdx.x) % per_group;
-  int2 row = warp_row<kCell>(p, chunk * U);
   stage_h<kCols, kCopyBatch, kCopyVectors>(hprev, h_s, H, b0, ncols);
   __syncthreads();
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
-  for (; chunk < chunks; chunk += per_group) {
-    const int u0 = chunk * U;
-    const int2 next = warp_row<kCell>(p, u0 + per_group * U);
+  const long long chunks = unit_chunks<U>(p);
+  for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
+    const int u0 = static_cast<int>(chunk) * U;
     if (running) {
       row_sums<kCell, D, kCols, kVec, 1>(
-          p, u0, row, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
+          p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
             float h[kCols];
             load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
 #pragma unroll
@@ -480,7 +463,6 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
     __syncthreads();
     update_block<kCell, D, kOneStep, U, kCols>(p, s, u0, b0, ncols, sums, hin, hout, cbuf);
     __syncthreads();  // sums are rewritten by the next chunk
-    row = next;
   }
 }
 
