@@ -213,9 +213,9 @@ def test_staged_step_kernel_at_the_device_limit(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_staged_step_kernel_by_default(dtype, monkeypatch):
     """By default the staged kernel runs on large layers only (step_kernels.cuh step_launch):
-    one-step LSTM H=4096 calls (512 chunks of 8 units) at B=1, 4 and 8 (a 64 KB copy of h: the
-    limit raised), ReLU H=5760 (180 chunks of 32 units) at B=4 and 8, on GPUs of 132 to 205
-    SMs; not ReLU H=5760 at B=1 nor ReLU H=1152 (36 chunks). And at the rule's edges on this
+    one-step LSTM H=4096 calls (512 chunks of 8 units) at B=1, 4 and 8 (B=8: a 64 KB copy of
+    h, the limit raised), ReLU H=5760 (180 chunks of 32 units) at B=4 and 8, on GPUs of 91 to
+    205 SMs; not ReLU H=5760 at B=1 nor ReLU H=1152 (36 chunks). And at the rule's edges on this
     GPU: LSTM layers of two chunks per SM at B=1, of 7/8 of a chunk per SM at B=4 and B=8, run
     staged; one chunk fewer does not."""
     monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
