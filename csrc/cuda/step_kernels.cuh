@@ -388,25 +388,27 @@ template <int kCols, int kBatch, int kVectors, class HIn>
 __device__ __forceinline__ void stage_h(const HIn* hprev, HIn* h_s, int H, int b0, int ncols) {
   const int stride = static_cast<int>(blockDim.x);
   constexpr int V = 16 / static_cast<int>(sizeof(HIn));  // values per vector
-  if (kVectors > 0 && H % V == 0 && reinterpret_cast<unsigned long long>(hprev) % 16 == 0) {
-    const int n = kCols * (H / V);  // vectors in the copy: vector i is column i % kCols's
-    for (int i = static_cast<int>(threadIdx.x); i < n; i += kVectors * stride) {
-      uint4 v[kVectors > 0 ? kVectors : 1];
+  if constexpr (kVectors > 0) {
+    if (H % V == 0 && reinterpret_cast<unsigned long long>(hprev) % 16 == 0) {
+      const int n = kCols * (H / V);  // vectors in the copy: vector i is column i % kCols's
+      for (int i = static_cast<int>(threadIdx.x); i < n; i += kVectors * stride) {
+        uint4 v[kVectors];
 #pragma unroll
-      for (int q = 0; q < kVectors; ++q) {
-        const int iq = i + q * stride, j = iq % kCols;
-        v[q] = iq < n && j < ncols
-                   ? __ldcg(reinterpret_cast<const uint4*>(hprev + static_cast<long long>(b0 + j) *
-                                                                      H) + iq / kCols)
-                   : make_uint4(0u, 0u, 0u, 0u);
-      }
+        for (int q = 0; q < kVectors; ++q) {
+          const int iq = i + q * stride, j = iq % kCols;
+          v[q] = iq < n && j < ncols
+                     ? __ldcg(reinterpret_cast<const uint4*>(
+                                  hprev + static_cast<long long>(b0 + j) * H) + iq / kCols)
+                     : make_uint4(0u, 0u, 0u, 0u);
+        }
 #pragma unroll
-      for (int q = 0; q < kVectors; ++q) {
-        const int iq = i + q * stride;
-        if (iq < n) store_h_vector<kCols>(h_s, v[q], iq % kCols, iq / kCols);
+        for (int q = 0; q < kVectors; ++q) {
+          const int iq = i + q * stride;
+          if (iq < n) store_h_vector<kCols>(h_s, v[q], iq % kCols, iq / kCols);
+        }
       }
+      return;
     }
-    return;
   }
   const int n = kCols * H;  // (< 2^31: the copy fits on chip)
   const auto load = [&](int i) {
