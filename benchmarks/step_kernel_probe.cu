@@ -62,11 +62,16 @@ Setting staged(const char* name, const Params& p) {
           kOne};
 }
 
+template <Cell C, bool kOne, int kLanes>
+Setting tasks(const char* name, const Params& p) {
+  return {name, sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes>(p, g_sms), kOne};
+}
+
 template <Cell C>
 std::vector<Setting> settings(const Params& p) {
   constexpr int m = sprnn::cuda::kStepMinBlocks<C>;
   constexpr int v = sprnn::cuda::kStepVec, x = sprnn::cuda::kStepUnroll;
-  return {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", p),
+  std::vector<Setting> all = {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", p),
           setting<C, 1, 4, m>("vec 1 x4, min blocks 5", p),
           setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
           setting<C, 4, 2, m>("vec 4 x2, 5", p),
@@ -79,7 +84,19 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
           staged<C, false, 8, 0>("loop step, staged, copy batch 8", p),
           staged<C, false, 8, 4>("loop step, staged, vector copy 4", p),
-          staged<C, false, 8, 8>("loop step, staged, vector copy 8", p)};
+          staged<C, false, 8, 8>("loop step, staged, vector copy 8", p),
+          tasks<C, true, 8>("tasks, 8 lanes per row", p),
+          tasks<C, false, 8>("loop step, tasks, 8 lanes", p)};
+  if constexpr (sprnn::gates_of(C) == 1) {
+    all.push_back(tasks<C, true, 16>("tasks, 16 lanes per row", p));
+    all.push_back(tasks<C, true, 32>("tasks, 32 lanes per row", p));
+    all.push_back(tasks<C, false, 16>("loop step, tasks, 16 lanes", p));
+    all.push_back(tasks<C, false, 32>("loop step, tasks, 32 lanes", p));
+  } else {
+    all.push_back(tasks<C, true, 4>("tasks, 4 lanes per row", p));
+    all.push_back(tasks<C, false, 4>("loop step, tasks, 4 lanes", p));
+  }
+  return all;
 }
 
 uint16_t f16(float f) { return __half_as_ushort(__float2half(f)); }

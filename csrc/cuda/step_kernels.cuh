@@ -103,31 +103,25 @@ __device__ __forceinline__ bool nonzeros_aligned(const void* vals, const int32_t
          at(cols) % (kColBytes < 16 ? kColBytes : 16) == 0;
 }
 
-// Warp `warp`'s row sums for kCols batch columns: the row is gate warp % G of unit u0 + warp / G,
-// accumulate(w, col, in, a) adds one nonzero (in: inside the row) to the column sums a, and lane
-// 0 stores the warp's sums into sums[warp / G][warp % G][j] for the block's ncols columns.
-template <Cell kCell, DType D, int kCols, int kVec, int kUnroll, class Accumulate>
-__device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, float* sums,
-                                         Accumulate accumulate) {
-  constexpr int G = gates_of(kCell);
+// The sums of one row's nonzeros [k0, k1) for kCols batch columns, by the kLanes lanes of an
+// aligned group of a warp (lane: this lane's index in it): accumulate(w, col, in, a) adds one
+// nonzero (in: inside the row) to the column sums a; the first ncols sums end on every lane of
+// the group. All 32 lanes of the warp must call it (the sums are added by shuffles).
+template <DType D, int kCols, int kVec, int kUnroll, int kLanes, class Accumulate>
+__device__ __forceinline__ void row_dot(const typename Tr<D>::S* vals, const int32_t* cols,
+                                        bool aligned, int k0, int k1, int lane, int ncols,
+                                        float (&a)[kCols], Accumulate accumulate) {
   static_assert(kVec > 0 && (kVec & (kVec - 1)) == 0, "the rows round k0 down to a multiple");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int u = u0 + warp / G;
-  if (u >= p.H) return;
-  float a[kCols];
+  static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "lanes of aligned groups");
 #pragma unroll
   for (int j = 0; j < kCols; ++j) a[j] = 0.0f;
-  const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
-  const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
-  const long long r = static_cast<long long>(u) * G + warp % G;
-  const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
-  constexpr int kPass = 32 * kVec;
+  constexpr int kPass = kLanes * kVec;
   for (int k = (k0 & -kVec) + lane * kVec; k < k1; k += kPass * kUnroll) {
     float w[kUnroll][kVec];
     int c[kUnroll][kVec];
 #pragma unroll
     for (int q = 0; q < kUnroll; ++q)
-      load_nonzeros<D, kVec>(vals, p.col_idx, aligned, k + q * kPass, k0, k1, w[q], c[q]);
+      load_nonzeros<D, kVec>(vals, cols, aligned, k + q * kPass, k0, k1, w[q], c[q]);
 #pragma unroll
     for (int q = 0; q < kUnroll; ++q) {
 #pragma unroll
@@ -143,9 +137,33 @@ __device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, flo
   for (int j = 0; j < kCols; ++j) {
     if (j < ncols) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
-      if (lane == 0) sums[((warp / G) * G + warp % G) * kCols + j] = a[j];
+      for (int off = kLanes / 2; off > 0; off >>= 1)
+        a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
     }
+  }
+}
+
+// Warp `warp`'s row sums for kCols batch columns: the row is gate warp % G of unit u0 + warp / G,
+// accumulate as in row_dot, and lane 0 stores the warp's sums into sums[warp / G][warp % G][j]
+// for the block's ncols columns.
+template <Cell kCell, DType D, int kCols, int kVec, int kUnroll, class Accumulate>
+__device__ __forceinline__ void row_sums(const Params& p, int u0, int ncols, float* sums,
+                                         Accumulate accumulate) {
+  constexpr int G = gates_of(kCell);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int u = u0 + warp / G;
+  if (u >= p.H) return;
+  float a[kCols];
+  const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
+  const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
+  const long long r = static_cast<long long>(u) * G + warp % G;
+  const int k0 = __ldg(p.row_ptr + r), k1 = __ldg(p.row_ptr + r + 1);
+  row_dot<D, kCols, kVec, kUnroll, 32>(vals, p.col_idx, aligned, k0, k1, lane, ncols, a,
+                                       accumulate);
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+      if (j < ncols) sums[((warp / G) * G + warp % G) * kCols + j] = a[j];
   }
 }
 
@@ -471,6 +489,90 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   }
 }
 
+// ---- the staged kernel by warp tasks: no barrier after the copy ---------------------------
+//
+// step_fwd_staged's chunks end in two block barriers each: its warps wait for the chunk's
+// slowest row and for the update (ncu, session 89: 19% of the stall samples of one-step LSTM
+// H=4096 B=8, 11% at ReLU H=5760). step_fwd_tasks gives each warp whole units instead (a
+// task: kLanes lanes per gate row, the warp's 32 / kLanes row slots holding task_units units'
+// gate rows; the GRU's 3 leave a slot of 4 idle), adds the gate sums by shuffles and updates
+// the units from the same warp, so that after the copy of h_{t-1} its warps never wait on
+// each other. Tasks go round-robin over every warp of the column group's blocks.
+template <Cell kCell, int kLanes>
+__host__ __device__ constexpr int task_units() {
+  static_assert(32 / kLanes >= gates_of(kCell), "a unit's gate rows fit in one warp");
+  return 32 / kLanes / gates_of(kCell);
+}
+
+constexpr int kTaskThreads = 1024;  // 32 warps per block, one block per SM
+
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kLanes, int kVec = kStepVec,
+          int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
+__global__ void __launch_bounds__(kTaskThreads, 1)
+    step_fwd_tasks(Params p, int s, float* hbuf, float* cbuf) {
+  constexpr DType kHType = kStepHType<D, kOneStep>;
+  using HIn = typename Tr<kHType>::S;
+  constexpr int G = gates_of(kCell);
+  constexpr int KU = task_units<kCell, kLanes>();
+  static_assert(KU * kCols <= 32, "a lane per (unit, column) of a task's update");
+  extern __shared__ __align__(16) unsigned char step_staged_smem[];
+  HIn* h_s = reinterpret_cast<HIn*>(step_staged_smem);  // [H][kCols]
+  const int H = p.H, B = p.B;
+  const int groups = (B + kCols - 1) / kCols;
+  const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
+  const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
+  const int ncols = min(kCols, B - b0);
+  const float* hin = workspace_h<kOneStep>(p, hbuf, s);
+  float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
+  const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
+  stage_h<kCols, kCopyBatch, kCopyVectors>(hprev, h_s, H, b0, ncols);
+  __syncthreads();
+  const bool running = s < max_seq_len(p, b0, b0 + ncols);
+  const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
+  const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
+  const int lane = threadIdx.x & 31, slot = lane / kLanes;
+  const int row_unit = slot / G, gate = slot % G;  // this lane's row: gate `gate` of unit row_unit
+  const int upd_unit = lane / kCols, upd_col = lane % kCols;  // this lane's update
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  const long long tasks = (H + KU - 1) / KU;
+  for (long long t = static_cast<long long>(threadIdx.x / 32) * per_group + blockIdx.x % per_group;
+       t < tasks; t += static_cast<long long>(warps) * per_group) {
+    const int u0 = static_cast<int>(t) * KU;
+    int k0 = 0, k1 = 0;  // (an idle slot's row is empty)
+    if (running && row_unit < KU && u0 + row_unit < H) {
+      const long long r = static_cast<long long>(u0 + row_unit) * G + gate;
+      k0 = __ldg(p.row_ptr + r);
+      k1 = __ldg(p.row_ptr + r + 1);
+    }
+    float a[kCols];
+    row_dot<D, kCols, kVec, 1, kLanes>(
+        vals, p.col_idx, aligned, k0, k1, lane % kLanes, ncols, a,
+        [&](float w, int col, bool in, float (&acc)[kCols]) {
+          float h[kCols];
+          load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) {
+            const float sum = fmaf(w, h[j], acc[j]);
+            acc[j] = in ? sum : acc[j];
+          }
+        });
+    // Gate g of unit upd_unit, column upd_col: from the first lane of that row's slot.
+    float hw[G];
+    const int src = upd_unit < KU ? upd_unit * G * kLanes : 0;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      hw[g] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const float v = __shfl_sync(0xffffffffu, a[j], src + g * kLanes);
+        hw[g] = upd_col == j ? v : hw[g];
+      }
+    }
+    if (upd_unit < KU && upd_col < ncols && u0 + upd_unit < H)
+      update_unit<kCell, D, kOneStep>(p, s, b0 + upd_col, u0 + upd_unit, hw, hin, hout, cbuf);
+  }
+}
+
 #if !defined(__CUDACC_RTC__)
 // step_fwd for a block of `cols` batch columns (1, 4 or 8; step_cols(B) for a call of B).
 template <Cell C, DType D, bool kOneStep, int kVec = kStepVec, int kUnroll = kStepUnroll,
@@ -534,6 +636,22 @@ StepLaunch staged_launch(const Params& p, int sms) {
   return {step_staged_kernel<C, D, kOneStep, kStepVec, kCopyBatch, kCopyVectors>(cols),
           step_staged_grid<C>(p, cols, sms),
           staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
+}
+
+// step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows, but
+// no more than give each warp a task.
+template <Cell C, DType D, bool kOneStep, int kLanes>
+StepLaunch tasks_launch(const Params& p, int sms) {
+  const int cols = step_cols(p.B);
+  const long long groups = (p.B + cols - 1) / cols;
+  const long long tasks = (p.H + task_units<C, kLanes>() - 1) / task_units<C, kLanes>();
+  const long long per_group =
+      std::max(1LL, std::min((tasks + kTaskThreads / 32 - 1) / (kTaskThreads / 32), sms / groups));
+  void (*kernel)(Params, int, float*, float*) =
+      cols == 1   ? &step_fwd_tasks<C, D, kOneStep, 1, kLanes>
+      : cols == 4 ? &step_fwd_tasks<C, D, kOneStep, 4, kLanes>
+                  : &step_fwd_tasks<C, D, kOneStep, 8, kLanes>;
+  return {kernel, groups * per_group, kTaskThreads, step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
 // Raises the staged kernel's shared-memory limit for a copy above the default, before l runs.
