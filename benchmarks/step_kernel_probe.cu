@@ -62,9 +62,11 @@ Setting staged(const char* name, const Params& p) {
           kOne};
 }
 
-template <Cell C, bool kOne, int kLanes>
+template <Cell C, bool kOne, int kLanes, int kPrefetch = 0, int kUnroll = 1>
 Setting tasks(const char* name, const Params& p) {
-  return {name, sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes>(p, g_sms), kOne};
+  return {name,
+          sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes, kPrefetch, kUnroll>(p, g_sms),
+          kOne};
 }
 
 template <Cell C>
@@ -84,18 +86,21 @@ std::vector<Setting> settings(const Params& p) {
           setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
           staged<C, false, 8, 0>("loop step, staged, copy batch 8", p),
           staged<C, false, 8, 4>("loop step, staged, vector copy 4", p),
-          staged<C, false, 8, 8>("loop step, staged, vector copy 8", p),
-          tasks<C, true, 8>("tasks, 8 lanes per row", p),
-          tasks<C, false, 8>("loop step, tasks, 8 lanes", p)};
-  if constexpr (sprnn::gates_of(C) == 1) {
-    all.push_back(tasks<C, true, 16>("tasks, 16 lanes per row", p));
-    all.push_back(tasks<C, true, 32>("tasks, 32 lanes per row", p));
-    all.push_back(tasks<C, false, 16>("loop step, tasks, 16 lanes", p));
-    all.push_back(tasks<C, false, 32>("loop step, tasks, 32 lanes", p));
-  } else {
-    all.push_back(tasks<C, true, 4>("tasks, 4 lanes per row", p));
-    all.push_back(tasks<C, false, 4>("loop step, tasks, 4 lanes", p));
-  }
+          staged<C, false, 8, 8>("loop step, staged, vector copy 8", p)};
+  // step_fwd_tasks with the rows' lanes each cell wins with (session 89 call 2: LSTM 8; ReLU
+  // 16 one-step, 32 loop steps), then with the first passes prefetched into L1 or two loads in
+  // flight.
+  constexpr int kL = sprnn::gates_of(C) == 1 ? 16 : 8;
+  constexpr int kLoopL = sprnn::gates_of(C) == 1 ? 32 : 8;
+  for (const Setting& t :
+       {tasks<C, true, kL>("tasks", p), tasks<C, true, kL, 1>("tasks, prefetch 1", p),
+        tasks<C, true, kL, 2>("tasks, prefetch 2", p),
+        tasks<C, true, kL, 0, 2>("tasks, unroll 2", p),
+        tasks<C, false, kLoopL>("loop step, tasks", p),
+        tasks<C, false, kLoopL, 1>("loop step, tasks, prefetch 1", p),
+        tasks<C, false, kLoopL, 2>("loop step, tasks, prefetch 2", p),
+        tasks<C, false, kLoopL, 0, 2>("loop step, tasks, unroll 2", p)})
+    all.push_back(t);
   return all;
 }
 
@@ -221,8 +226,10 @@ int main(int argc, char** argv) {
   }
   for (int B : {4, 1, 8}) {
     run<Cell::kLstm>("lstm 10%", 1024, B, 0.1, rng);
+    run<Cell::kLstm>("lstm 10%", 2048, B, 0.1, rng);
     run<Cell::kLstm>("lstm 10%", 4096, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 1152, B, 0.1, rng);
+    run<Cell::kRnnTanh>("relu 10%", 2880, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 5760, B, 0.1, rng);
   }
   return 0;

@@ -506,8 +506,16 @@ __host__ __device__ constexpr int task_units() {
 
 constexpr int kTaskThreads = 1024;  // 32 warps per block, one block per SM
 
-template <Cell kCell, DType D, bool kOneStep, int kCols, int kLanes, int kVec = kStepVec,
-          int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
+// Asks for the line of global address q in this SM's L1 (a hint: no registers held).
+__device__ __forceinline__ void prefetch_l1(const void* q) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(q));
+}
+
+// kPrefetch: passes of the first task's rows asked into L1 before the copy (prefetch_l1), so
+// that they arrive while the copy runs; kUnroll: loads in flight per lane (row_dot).
+template <Cell kCell, DType D, bool kOneStep, int kCols, int kLanes, int kPrefetch = 0,
+          int kUnroll = 1, int kVec = kStepVec, int kCopyBatch = kStagedCopyBatch,
+          int kCopyVectors = kStagedCopyVectors>
 __global__ void __launch_bounds__(kTaskThreads, 1)
     step_fwd_tasks(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -525,27 +533,41 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
   const float* hin = workspace_h<kOneStep>(p, hbuf, s);
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
-  stage_h<kCols, kCopyBatch, kCopyVectors>(hprev, h_s, H, b0, ncols);
-  __syncthreads();
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
   const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
   const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
   const int lane = threadIdx.x & 31, slot = lane / kLanes;
   const int row_unit = slot / G, gate = slot % G;  // this lane's row: gate `gate` of unit row_unit
   const int upd_unit = lane / kCols, upd_col = lane % kCols;  // this lane's update
-  const int warps = static_cast<int>(blockDim.x) / 32;
   const long long tasks = (H + KU - 1) / KU;
-  for (long long t = static_cast<long long>(threadIdx.x / 32) * per_group + blockIdx.x % per_group;
-       t < tasks; t += static_cast<long long>(warps) * per_group) {
-    const int u0 = static_cast<int>(t) * KU;
-    int k0 = 0, k1 = 0;  // (an idle slot's row is empty)
-    if (running && row_unit < KU && u0 + row_unit < H) {
-      const long long r = static_cast<long long>(u0 + row_unit) * G + gate;
+  const long long stride = static_cast<long long>(blockDim.x / 32) * per_group;
+  long long t = static_cast<long long>(threadIdx.x / 32) * per_group + blockIdx.x % per_group;
+  // This lane's row [k0, k1) of task t (empty for an idle slot or past the tasks).
+  int k0 = 0, k1 = 0;
+  const auto row_range = [&](long long task) {
+    const int u = static_cast<int>(task) * KU + row_unit;
+    k0 = k1 = 0;
+    if (running && task < tasks && row_unit < KU && u < H) {
+      const long long r = static_cast<long long>(u) * G + gate;
       k0 = __ldg(p.row_ptr + r);
       k1 = __ldg(p.row_ptr + r + 1);
     }
+  };
+  row_range(t);
+#pragma unroll
+  for (int q = 0; q < kPrefetch; ++q) {
+    const int k = (k0 & -kVec) + ((lane % kLanes) + q * kLanes) * kVec;
+    if (k < k1) {
+      prefetch_l1(vals + k);
+      prefetch_l1(p.col_idx + k);
+    }
+  }
+  stage_h<kCols, kCopyBatch, kCopyVectors>(hprev, h_s, H, b0, ncols);
+  __syncthreads();
+  for (; t < tasks; t += stride) {
+    const int u0 = static_cast<int>(t) * KU;
     float a[kCols];
-    row_dot<D, kCols, kVec, 1, kLanes>(
+    row_dot<D, kCols, kVec, kUnroll, kLanes>(
         vals, p.col_idx, aligned, k0, k1, lane % kLanes, ncols, a,
         [&](float w, int col, bool in, float (&acc)[kCols]) {
           float h[kCols];
@@ -556,6 +578,7 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
             acc[j] = in ? sum : acc[j];
           }
         });
+    row_range(t + stride);  // (its loads overlap the update's)
     // Gate g of unit upd_unit, column upd_col: from the first lane of that row's slot.
     float hw[G];
     const int src = upd_unit < KU ? upd_unit * G * kLanes : 0;
@@ -640,7 +663,7 @@ StepLaunch staged_launch(const Params& p, int sms) {
 
 // step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows, but
 // no more than give each warp a task.
-template <Cell C, DType D, bool kOneStep, int kLanes>
+template <Cell C, DType D, bool kOneStep, int kLanes, int kPrefetch = 0, int kUnroll = 1>
 StepLaunch tasks_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   const long long groups = (p.B + cols - 1) / cols;
@@ -648,9 +671,9 @@ StepLaunch tasks_launch(const Params& p, int sms) {
   const long long per_group =
       std::max(1LL, std::min((tasks + kTaskThreads / 32 - 1) / (kTaskThreads / 32), sms / groups));
   void (*kernel)(Params, int, float*, float*) =
-      cols == 1   ? &step_fwd_tasks<C, D, kOneStep, 1, kLanes>
-      : cols == 4 ? &step_fwd_tasks<C, D, kOneStep, 4, kLanes>
-                  : &step_fwd_tasks<C, D, kOneStep, 8, kLanes>;
+      cols == 1   ? &step_fwd_tasks<C, D, kOneStep, 1, kLanes, kPrefetch, kUnroll>
+      : cols == 4 ? &step_fwd_tasks<C, D, kOneStep, 4, kLanes, kPrefetch, kUnroll>
+                  : &step_fwd_tasks<C, D, kOneStep, 8, kLanes, kPrefetch, kUnroll>;
   return {kernel, groups * per_group, kTaskThreads, step_staged_bytes<D>(p, cols, kOneStep), true};
 }
 
