@@ -2,14 +2,16 @@
 // flight, kMinBlocks blocks per SM in the launch bounds), timed on one-step calls (T = 1,
 // fp16, B = 4, 1 and 8) without JAX, and as loop steps (variant 4 and layers off chip: h from
 // the float32 workspace), step_fwd against step_fwd_staged (h_{t-1} copied on chip, by values
-// or by 16-byte vectors; above 47 KB by raising the kernel's limit): us per launch over
+// or by 16-byte vectors; above 47 KB by raising the kernel's limit) and step_fwd_tasks (the
+// same copy, each warp whole units, no barrier after the copy): us per launch over
 // back-to-back launches, medians of 5 rounds, and each setting's largest difference in ys / cs
 // from the first (session 82's kernel: 8 column slots, one nonzero per load), of one launch
 // from the same state.
 //
 //   benchmarks/gpu_check.sh step-kernel
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
-//                                                  CELL lstm or relu, SETTING an index below)
+//                                                  CELL lstm, gru or relu, SETTING an index
+//                                                  below)
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -43,7 +45,7 @@ Setting setting(const char* name, const Params& p) {
   const auto kernel =
       sprnn::cuda::step_kernel<C, DType::kF16, kOne, kVec, kUnroll, kMinBlocks, kSelectCols>(cols);
   return {name, {kernel, sprnn::cuda::step_blocks<C>(p, cols), sprnn::cuda::step_threads<C>(), 0,
-                 false}, kOne};
+                 sprnn::cuda::StepKind::kRows}, kOne};
 }
 
 int g_sms = 0;  // the GPU's SMs (the staged kernel's grid)
@@ -62,45 +64,37 @@ Setting staged(const char* name, const Params& p) {
           kOne};
 }
 
-template <Cell C, bool kOne, int kLanes, int kPrefetch = 0, int kUnroll = 1>
+// step_fwd_tasks with kLanes lanes per row (-1: the package's, kTaskLanes).
+template <Cell C, bool kOne, int kLanes = -1>
 Setting tasks(const char* name, const Params& p) {
-  return {name,
-          sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes, kPrefetch, kUnroll>(p, g_sms),
-          kOne};
+  return {name, sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes>(p, g_sms), kOne};
 }
 
 template <Cell C>
 std::vector<Setting> settings(const Params& p) {
   constexpr int m = sprnn::cuda::kStepMinBlocks<C>;
   constexpr int v = sprnn::cuda::kStepVec, x = sprnn::cuda::kStepUnroll;
-  std::vector<Setting> all = {setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", p),
-          setting<C, 1, 4, m>("vec 1 x4, min blocks 5", p),
-          setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
-          setting<C, 4, 2, m>("vec 4 x2, 5", p),
-          setting<C, 8, 1, m>("vec 8 x1, 5", p),
-          staged<C, true, 1, 0>("staged, copy batch 1", p),
-          staged<C, true, 8, 0>("staged, copy batch 8 (session 87)", p),
-          staged<C, true, 8, 4>("staged, vector copy 4", p),
-          staged<C, true, 8, 8>("staged, vector copy 8", p),
-          setting<C, v, x, m, false, false>("loop step, step_fwd", p),
-          setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
-          staged<C, false, 8, 0>("loop step, staged, copy batch 8", p),
-          staged<C, false, 8, 4>("loop step, staged, vector copy 4", p),
-          staged<C, false, 8, 8>("loop step, staged, vector copy 8", p)};
-  // step_fwd_tasks with the rows' lanes each cell wins with (session 89 call 2: LSTM 8; ReLU
-  // 16 one-step, 32 loop steps), then with the first passes prefetched into L1 or two loads in
-  // flight.
-  constexpr int kL = sprnn::gates_of(C) == 1 ? 16 : 8;
-  constexpr int kLoopL = sprnn::gates_of(C) == 1 ? 32 : 8;
-  for (const Setting& t :
-       {tasks<C, true, kL>("tasks", p), tasks<C, true, kL, 1>("tasks, prefetch 1", p),
-        tasks<C, true, kL, 2>("tasks, prefetch 2", p),
-        tasks<C, true, kL, 0, 2>("tasks, unroll 2", p),
-        tasks<C, false, kLoopL>("loop step, tasks", p),
-        tasks<C, false, kLoopL, 1>("loop step, tasks, prefetch 1", p),
-        tasks<C, false, kLoopL, 2>("loop step, tasks, prefetch 2", p),
-        tasks<C, false, kLoopL, 0, 2>("loop step, tasks, unroll 2", p)})
-    all.push_back(t);
+  std::vector<Setting> all = {
+      setting<C, 1, 4, m, true>("8 columns, vec 1 x4, 5 (session 82)", p),
+      setting<C, 1, 4, m>("vec 1 x4, min blocks 5", p),
+      setting<C, 4, 1, m>("vec 4 x1, 5 (step_fwd)", p),
+      setting<C, 4, 2, m>("vec 4 x2, 5", p),
+      setting<C, 8, 1, m>("vec 8 x1, 5", p),
+      staged<C, true, 1, 0>("staged, copy batch 1", p),
+      staged<C, true, 8, 0>("staged, copy batch 8 (session 87)", p),
+      staged<C, true, 8, 4>("staged, vector copy 4", p),
+      staged<C, true, 8, 8>("staged, vector copy 8", p),
+      setting<C, v, x, m, false, false>("loop step, step_fwd", p),
+      setting<C, v, x, m, false, false, 0>("loop step, predicated (session 84)", p),
+      staged<C, false, 8, 0>("loop step, staged, copy batch 8", p),
+      staged<C, false, 8, 4>("loop step, staged, vector copy 4", p),
+      staged<C, false, 8, 8>("loop step, staged, vector copy 8", p),
+      tasks<C, true>("tasks", p),
+      tasks<C, false>("loop step, tasks", p)};
+  if constexpr (sprnn::gates_of(C) == 1) {  // the RNN's other lanes per row (kTaskLanes)
+    all.push_back(tasks<C, true, 32>("tasks, 32 lanes", p));
+    all.push_back(tasks<C, false, 16>("loop step, tasks, 16 lanes", p));
+  }
   return all;
 }
 
@@ -221,6 +215,7 @@ int main(int argc, char** argv) {
     g_launches = std::atoi(argv[4]);
     g_only = std::atoi(argv[5]);
     if (cell == "lstm") run<Cell::kLstm>("lstm 10%", H, B, 0.1, rng);
+    else if (cell == "gru") run<Cell::kGru>("gru 10%", H, B, 0.1, rng);
     else run<Cell::kRnnTanh>("relu 10%", H, B, 0.1, rng);
     return 0;
   }
@@ -231,6 +226,8 @@ int main(int argc, char** argv) {
     run<Cell::kRnnTanh>("relu 10%", 1152, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 2880, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 5760, B, 0.1, rng);
+    run<Cell::kGru>("gru 10%", 2048, B, 0.1, rng);
+    run<Cell::kGru>("gru 10%", 4096, B, 0.1, rng);
   }
   return 0;
 }

@@ -289,7 +289,7 @@ def _export_for_cuda(steps=5):
     ("SPRNN_CUDA_MMA", "2", "-1"),
     ("SPRNN_CUDA_BT", "3", "16"),  # a tile the planner has not: ignored before
     ("SPRNN_CUDA_VARIANT", "6", "+3"),
-    ("SPRNN_CUDA_STEP_STAGED", "3", "2"),
+    ("SPRNN_CUDA_STEP_STAGED", "4", "3"),
 ])
 def test_documented_knobs_are_checked_at_lowering(monkeypatch, name, bad, good):
     monkeypatch.setenv(name, bad)

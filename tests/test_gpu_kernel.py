@@ -181,14 +181,25 @@ def staged_fits(shape, dtype, one_step):
 STAGED_EDGE_SHAPES = [(1, 8, 3008, 0.05, "uniform"), (1, 8, 3072, 0.05, "uniform")]
 
 
+# The staged per-step kernels by SPRNN_CUDA_STEP_STAGED value, each with its launch counter:
+# step_fwd_staged (blocks looping over unit chunks) and step_fwd_tasks (each warp whole units).
+STAGED_KERNELS = {"2": "staged_steps", "3": "task_steps"}
+
+
+def step_launches():
+    """Launches so far of step_fwd_staged and of step_fwd_tasks."""
+    return {knob: getattr(_ffi.cuda_module, name)() for knob, name in STAGED_KERNELS.items()}
+
+
+@pytest.mark.parametrize("kernel", STAGED_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
-def test_staged_step_kernel(cell, dtype, monkeypatch):
-    """The staged per-step kernel (h of the block's columns copied into shared memory once, the
-    blocks looping over unit chunks) runs by default only on large layers; forced wherever it
-    fits, it must match the oracle on the one-step shapes and, as loop steps, variant 4's."""
-    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", "2")
-    staged = _ffi.cuda_module.staged_steps()
+def test_staged_step_kernel(cell, dtype, kernel, monkeypatch):
+    """The staged per-step kernels (h of the block's columns copied into shared memory once)
+    run by default only on large layers; forced wherever they fit, each must match the oracle
+    on the one-step shapes and, as loop steps, variant 4's, and only it must run."""
+    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", kernel)
+    before = step_launches()
     want = 0
     for n, shape in enumerate(ONE_STEP_SHAPES + STAGED_EDGE_SHAPES):
         check(cell, dtype, shape, -1, n, activation="relu" if cell == "rnn" and n % 2 else "tanh")
@@ -196,44 +207,50 @@ def test_staged_step_kernel(cell, dtype, monkeypatch):
     for n, shape in enumerate(SHAPES):
         check(cell, dtype, shape, 4, n)
         want += shape[0] * staged_fits(shape, dtype, False)
-    assert _ffi.cuda_module.staged_steps() == staged + want
+    after = step_launches()
+    assert {k: after[k] - before[k] for k in after} == {k: want * (k == kernel) for k in after}
 
 
-def test_staged_step_kernel_at_the_device_limit(monkeypatch):
+@pytest.mark.parametrize("kernel", STAGED_KERNELS)
+def test_staged_step_kernel_at_the_device_limit(kernel, monkeypatch):
     """Loop steps whose float32 copy of h (8 columns) takes exactly the largest copy this GPU
     allows run the staged kernel and match the oracle; one unit more runs step_fwd."""
-    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", "2")
+    monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", kernel)
     largest = _ffi.cuda_module.staged_step_max_bytes() // (8 * 4)
     for n, (hidden, want) in enumerate([(largest, 2), (largest + 1, 0)]):
-        staged = _ffi.cuda_module.staged_steps()
+        before = step_launches()[kernel]
         check("rnn", "float32", (2, 8, hidden, 0.01, "uniform"), 4, n)
-        assert _ffi.cuda_module.staged_steps() == staged + want, f"H={hidden}"
+        assert step_launches()[kernel] == before + want, f"H={hidden}"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_staged_step_kernel_by_default(dtype, monkeypatch):
-    """By default the staged kernel runs on large layers only (step_kernels.cuh step_launch):
-    one-step LSTM H=4096 calls (512 chunks of 8 units) at B=1, 4 and 8 (B=8: a 64 KB copy of
-    h, the limit raised), ReLU H=5760 (180 chunks of 32 units) at B=4 and 8, on GPUs of 91 to
-    205 SMs; not ReLU H=5760 at B=1 nor ReLU H=1152 (36 chunks). And at the rule's edges on this
-    GPU: LSTM layers of two chunks per SM at B=1, of 7/8 of a chunk per SM at B=4 and B=8, run
-    staged; one chunk fewer does not."""
+    """By default (step_kernels.cuh step_launch) step_fwd_tasks runs on layers of at least 28
+    units per SM, step_fwd_staged on smaller ones of two chunks of units per SM, or with blocks
+    of 4 or 8 columns of 7/8 of a chunk per SM, step_fwd on the rest. Fixed cases, for GPUs of
+    42 to 146 SMs: one-step LSTM H=4096 (B=8: a 64 KB copy of h, the limit raised) and ReLU
+    H=5760 by tasks at B=1, 4 and 8; ReLU H=1152 at B=4 (36 chunks of 32 units) by step_fwd.
+    And the rules' edges on this GPU, for LSTM layers (chunks of 8 units) at B=1, 4 and 8."""
     monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
     sms = _ffi.cuda_module.plan(4, 0, 1024, 4, 1024)["sms"]  # this GPU's (any layer's plan)
     two, seven_eighths = 2 * sms, -(-7 * sms // 8)  # chunks (rounded up)
-    cases = [("lstm", (1, batch, 4096, 0.1, "uniform"), 1) for batch in (1, 4, 8)]
-    cases += [("rnn", (1, 4, 5760, 0.1, "uniform"), 1), ("rnn", (1, 8, 5760, 0.1, "uniform"), 1),
-              ("rnn", (1, 1, 5760, 0.1, "uniform"), 0), ("rnn", (1, 4, 1152, 0.1, "uniform"), 0)]
+    cases = [("lstm", (1, batch, 4096, 0.1, "uniform"), "3") for batch in (1, 4, 8)]
+    cases += [("rnn", (1, batch, 5760, 0.1, "uniform"), "3") for batch in (1, 4, 8)]
+    cases += [("rnn", (1, 4, 1152, 0.1, "uniform"), None)]
     for batch, edge in [(1, two), (4, seven_eighths), (8, seven_eighths)]:
-        cases += [("lstm", (1, batch, 8 * edge, 0.1, "uniform"), 1),
-                  ("lstm", (1, batch, 8 * (edge - 1), 0.1, "uniform"), 0)]
+        cases += [("lstm", (1, batch, 28 * sms, 0.05, "uniform"), "3"),
+                  ("lstm", (1, batch, 28 * sms - 1, 0.05, "uniform"), "2"),
+                  ("lstm", (1, batch, 8 * edge, 0.1, "uniform"), "2"),
+                  ("lstm", (1, batch, 8 * (edge - 1), 0.1, "uniform"), None)]
     for n, (cell, shape, want) in enumerate(cases):
-        staged = _ffi.cuda_module.staged_steps()
+        before = step_launches()
         check(cell, dtype, shape, -1, n)
-        assert _ffi.cuda_module.staged_steps() == staged + want, f"{cell} {shape} {dtype}"
+        after = step_launches()
+        got = {k: after[k] - before[k] for k in after}
+        assert got == {k: int(k == want) for k in got}, f"{cell} {shape} {dtype}"
 
 
-@pytest.mark.parametrize("staged", ["1", "2"])
+@pytest.mark.parametrize("staged", ["1", "2", "3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", CELLS)
 def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype, staged, monkeypatch):
@@ -241,9 +258,10 @@ def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype, staged, monkey
     # its row's end reads column 0 and a select drops its sum. So a NaN in h0's unit 0 must show
     # in exactly the units with a nonzero in column 0 (oracle.h0_nan_reach), in blocks of 1, 4
     # (two in use) and 8 columns; the other sequences match the oracle. The same in the staged
-    # kernel (forced: SPRNN_CUDA_STEP_STAGED=2), whose lanes past the row read column 0 too.
+    # kernels (forced: SPRNN_CUDA_STEP_STAGED=2 or 3), whose lanes past the row read column 0
+    # too.
     monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", staged)
-    calls, staged_steps = _ffi.cuda_module.one_step_calls(), _ffi.cuda_module.staged_steps()
+    calls, before = _ffi.cuda_module.one_step_calls(), step_launches()
     cases = [(1, 300, 0.05), (4, 129, 0.1), (2, 517, 0.02), (6, 200, 0.05)]
     for n, (batch, hidden, density) in enumerate(cases):
         rng = np.random.default_rng(300 + n)
@@ -262,7 +280,9 @@ def test_one_step_nan_in_h0_reaches_only_its_readers(cell, dtype, staged, monkey
         err = oracle.others_error(ys, p, p["xp"], cell, b, ("tanh", "relu")[act])
         assert err < oracle.RTOL[dtype], f"rel error {err:.3g} of the other sequences, {dtype}"
     assert _ffi.cuda_module.one_step_calls() == calls + len(cases)  # all by the per-step kernel
-    assert _ffi.cuda_module.staged_steps() == staged_steps + (len(cases) if staged == "2" else 0)
+    after = step_launches()
+    want = {k: len(cases) * (k == staged) for k in after}
+    assert {k: after[k] - before[k] for k in after} == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -70,7 +70,7 @@ def instantiations(cell):
         # the per-step kernel for each column count (step_kernels.cuh step_kernel), also as a
         # call of one step (T = 1) in one launch
         names += [f"sprnn::cuda::{k}<sprnn::Cell::{cell}, sprnn::cuda::DType::{dt}, "
-                  f"{one}, {cols}>" for k in ("step_fwd", "step_fwd_staged")
+                  f"{one}, {cols}>" for k in ("step_fwd", "step_fwd_staged", "step_fwd_tasks")
                   for one in ("false", "true") for cols in (1, 4, 8)]
     return names
 

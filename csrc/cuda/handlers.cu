@@ -672,15 +672,16 @@ cudaError_t launch_cluster(int dev, Cell cell, int dtype, const Plan& pl, const 
   return cudaSuccess;
 }
 
-// Launches of the staged per-step kernel (step_kernels.cuh step_fwd_staged; the tests read it).
-std::atomic<long long> g_staged_steps{0};
+// Launches of the staged per-step kernels (step_kernels.cuh step_fwd_staged, step_fwd_tasks;
+// the tests read them).
+std::atomic<long long> g_staged_steps{0}, g_task_steps{0};
 
 // Where the per-step kernels run on device dev (step_kernels.cuh StepConfig).
 StepConfig step_config(int dev) {
   const DeviceInfo info = device_info(dev);
   StepConfig cfg;
   cfg.sms = info.sms;
-  cfg.staged = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_STEP_STAGED", 1), 0, 2));
+  cfg.staged = static_cast<int>(std::clamp<long long>(env_int("SPRNN_CUDA_STEP_STAGED", 1), 0, 3));
   cfg.max_bytes = std::max(kStagedDefaultBytes, info.smem_optin - kStagedStaticBytes);
   cfg.dev = dev;
   cfg.raise_smem = &ensure_smem;
@@ -688,20 +689,22 @@ StepConfig step_config(int dev) {
 }
 
 // The per-step kernels (launch.cuh run_steps). SPRNN_CUDA_STEP_STAGED: 0 keeps them off the
-// staged kernel (step_kernels.cuh step_fwd_staged), 2 runs it wherever it fits (StepConfig).
+// staged kernels (step_kernels.cuh), 2 runs step_fwd_staged and 3 step_fwd_tasks wherever they
+// fit (StepConfig).
 cudaError_t run_steps(Cell cell, int dtype, const Params& p, float* hbuf, float* cbuf,
                       cudaStream_t s, bool one_step = false) {
   int dev = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   const StepConfig cfg = step_config(dev);
-  int staged = 0;
+  StepCounts counts;
   cudaError_t e;
   switch (cell) {
-    case Cell::kLstm: e = run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step, cfg, &staged); break;
-    case Cell::kGru: e = run_steps_gru(dtype, p, hbuf, cbuf, s, one_step, cfg, &staged); break;
-    default: e = run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step, cfg, &staged); break;
+    case Cell::kLstm: e = run_steps_lstm(dtype, p, hbuf, cbuf, s, one_step, cfg, &counts); break;
+    case Cell::kGru: e = run_steps_gru(dtype, p, hbuf, cbuf, s, one_step, cfg, &counts); break;
+    default: e = run_steps_rnn(dtype, p, hbuf, cbuf, s, one_step, cfg, &counts); break;
   }
-  g_staged_steps.fetch_add(staged);
+  g_staged_steps.fetch_add(counts.staged);
+  g_task_steps.fetch_add(counts.tasks);
   return e;
 }
 
@@ -1167,8 +1170,12 @@ PYBIND11_MODULE(_sprnn_cuda, m) {
         "Calls so far that were planned on the persistent kernel but ran the per-step fallback "
         "because the GPU would not take the launch (warned once on stderr).");
   m.def("staged_steps", []() { return sprnn::cuda::g_staged_steps.load(); },
-        "Launches of the staged per-step kernel so far (h of the step's batch columns copied "
-        "into shared memory; SPRNN_CUDA_STEP_STAGED=0 turns it off, 2 runs it wherever it fits).");
+        "Launches of the staged per-step kernel by unit chunks so far (h of the step's batch "
+        "columns copied into shared memory; SPRNN_CUDA_STEP_STAGED=0 turns it off, 2 runs it "
+        "wherever it fits).");
+  m.def("task_steps", []() { return sprnn::cuda::g_task_steps.load(); },
+        "Launches of the staged per-step kernel by warp tasks so far (each warp a unit's gate "
+        "rows; SPRNN_CUDA_STEP_STAGED=3 runs it wherever its copy of h fits).");
   m.def("staged_step_max_bytes", []() {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("no CUDA device");

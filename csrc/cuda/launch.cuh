@@ -87,31 +87,37 @@ KernelFn cluster_kernel(int bt) {
   }
 }
 
-// One step as one launch of step_launch's choice; counts the staged ones in *staged.
+// Launches of the staged per-step kernels (run_steps).
+struct StepCounts {
+  int staged = 0;  // step_fwd_staged
+  int tasks = 0;   // step_fwd_tasks
+};
+
+// One step as one launch of step_launch's choice, counted in *counts.
 inline cudaError_t launch_step(const StepLaunch& l, const Params& p, int s, float* hbuf,
-                               float* cbuf, cudaStream_t stream, int* staged) {
+                               float* cbuf, cudaStream_t stream, StepCounts* counts) {
   if (l.blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   l.kernel<<<static_cast<unsigned>(l.blocks), l.threads, static_cast<size_t>(l.smem), stream>>>(
       p, s, hbuf, cbuf);
-  *staged += l.staged ? 1 : 0;
+  counts->staged += l.kind == StepKind::kStaged ? 1 : 0;
+  counts->tasks += l.kind == StepKind::kTasks ? 1 : 0;
   return cudaGetLastError();
 }
 
-// *staged: the launches of step_fwd_staged (step_launch).
 template <Cell C, DType D>
 cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t stream,
-                      bool one_step, const StepConfig& cfg, int* staged) {
+                      bool one_step, const StepConfig& cfg, StepCounts* counts) {
   const StepLaunch step =
       one_step ? step_launch<C, D, true>(p, cfg) : step_launch<C, D, false>(p, cfg);
   if (cudaError_t e = prepare_step(step, cfg); e != cudaSuccess) return e;
   if (one_step)  // T = 1: h0 / c0 in, hT / cT out, in one launch (step_kernels.cuh)
-    return launch_step(step, p, 0, nullptr, nullptr, stream, staged);
+    return launch_step(step, p, 0, nullptr, nullptr, stream, counts);
   const long long n = static_cast<long long>(p.B) * p.H;
   const int init_blocks = static_cast<int>(std::min<long long>((n + 255) / 256, 65535));
   step_init<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf, cbuf);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   for (int s = 0; s < p.T; ++s)
-    if (cudaError_t e = launch_step(step, p, s, hbuf, cbuf, stream, staged); e != cudaSuccess)
+    if (cudaError_t e = launch_step(step, p, s, hbuf, cbuf, stream, counts); e != cudaSuccess)
       return e;
   step_final<C, D><<<init_blocks, 256, 0, stream>>>(p, hbuf + (p.T & 1) * n, cbuf);
   return cudaGetLastError();
@@ -125,7 +131,8 @@ cudaError_t run_steps(const Params& p, float* hbuf, float* cbuf, cudaStream_t st
                                   Words words, bool mma, bool relu);                      \
   KernelFn pick_cluster_##name(int dtype, int bt);                                        \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,       \
-                               cudaStream_t s, bool one_step, const StepConfig& cfg, int* staged);
+                               cudaStream_t s, bool one_step, const StepConfig& cfg,       \
+                               StepCounts* counts);
 SPRNN_CELL_ENTRY(rnn)
 SPRNN_CELL_ENTRY(lstm)
 SPRNN_CELL_ENTRY(gru)
@@ -148,9 +155,9 @@ SPRNN_CELL_ENTRY(gru)
   }                                                                                      \
   cudaError_t run_steps_##name(int dtype, const Params& p, float* hbuf, float* cbuf,      \
                                cudaStream_t s, bool one_step, const StepConfig& cfg,     \
-                               int* staged) {                                            \
+                               StepCounts* counts) {                                     \
     return by_dtype(dtype, [&](auto d) {                                                 \
-      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step, cfg, staged);  \
+      return run_steps<C, decltype(d)::value>(p, hbuf, cbuf, s, one_step, cfg, counts);  \
     });                                                                                  \
   }
 

@@ -2,6 +2,11 @@
 // GPUs that cannot run the cooperative grid.
 #pragma once
 
+#if !defined(__CUDACC_RTC__)
+#include <algorithm>
+#include <type_traits>
+#endif
+
 #include "cuda/cell_update.cuh"
 
 namespace sprnn {
@@ -493,29 +498,37 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
 //
 // step_fwd_staged's chunks end in two block barriers each: its warps wait for the chunk's
 // slowest row and for the update (ncu, session 89: 19% of the stall samples of one-step LSTM
-// H=4096 B=8, 11% at ReLU H=5760). step_fwd_tasks gives each warp whole units instead (a
+// H=4096 B=8, 11% at ReLU H=5760 B=8). step_fwd_tasks gives each warp whole units instead (a
 // task: kLanes lanes per gate row, the warp's 32 / kLanes row slots holding task_units units'
 // gate rows; the GRU's 3 leave a slot of 4 idle), adds the gate sums by shuffles and updates
-// the units from the same warp, so that after the copy of h_{t-1} its warps never wait on
-// each other. Tasks go round-robin over every warp of the column group's blocks.
+// the units from the same warp, so that after the copy of h_{t-1} its warps never wait on each
+// other. Tasks go round-robin over every warp of the column group's blocks. A task's rows take
+// more passes than one row per warp, so it wins only where the tasks keep nearly every warp of
+// the GPU busy (step_launch). Fp16 us per launch, step_fwd_staged -> step_fwd_tasks
+// (step_kernel_probe, session 89 call 3): one-step LSTM H=4096 B=8 30.3 -> 24.1, B=4 21.7 ->
+// 16.3, B=1 16.1 -> 12.1; ReLU H=5760 B=8 21.8 -> 19.5, B=4 14.5 -> 12.8; loop steps LSTM
+// H=4096 B=8 46.9 -> 42.5, ReLU H=5760 B=8 34.1 -> 28.5; but LSTM H=2048 B=8 13.9 -> 15.7.
+// Asking the first passes into L1 during the copy, or two loads in flight per lane, gained
+// nothing (call 3).
 template <Cell kCell, int kLanes>
 __host__ __device__ constexpr int task_units() {
   static_assert(32 / kLanes >= gates_of(kCell), "a unit's gate rows fit in one warp");
   return 32 / kLanes / gates_of(kCell);
 }
 
+// Lanes per gate row of step_fwd_tasks: 8 for the LSTM and GRU (a unit's gates in one warp);
+// for an RNN 16, or 32 where each nonzero gathers 32 bytes of h (float32 loop steps of 8
+// columns). ReLU H=5760, us per launch, 16 / 32 lanes (session 89 call 2): one-step B=8 19.8 /
+// 20.7, B=1 8.5 / 9.3; loop steps B=8 32.1 / 28.8, B=4 16.1 / 15.8, B=1 9.0 / 9.8.
+template <Cell kCell, DType D, bool kOneStep, int kCols>
+constexpr int kTaskLanes =
+    gates_of(kCell) > 1 ? 8 : step_h_bytes<D>(kCols, kOneStep) >= 32 ? 32 : 16;
+
 constexpr int kTaskThreads = 1024;  // 32 warps per block, one block per SM
 
-// Asks for the line of global address q in this SM's L1 (a hint: no registers held).
-__device__ __forceinline__ void prefetch_l1(const void* q) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(q));
-}
-
-// kPrefetch: passes of the first task's rows asked into L1 before the copy (prefetch_l1), so
-// that they arrive while the copy runs; kUnroll: loads in flight per lane (row_dot).
-template <Cell kCell, DType D, bool kOneStep, int kCols, int kLanes, int kPrefetch = 0,
-          int kUnroll = 1, int kVec = kStepVec, int kCopyBatch = kStagedCopyBatch,
-          int kCopyVectors = kStagedCopyVectors>
+template <Cell kCell, DType D, bool kOneStep, int kCols,
+          int kLanes = kTaskLanes<kCell, D, kOneStep, kCols>, int kVec = kStepVec,
+          int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
 __global__ void __launch_bounds__(kTaskThreads, 1)
     step_fwd_tasks(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -542,7 +555,8 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
   const long long tasks = (H + KU - 1) / KU;
   const long long stride = static_cast<long long>(blockDim.x / 32) * per_group;
   long long t = static_cast<long long>(threadIdx.x / 32) * per_group + blockIdx.x % per_group;
-  // This lane's row [k0, k1) of task t (empty for an idle slot or past the tasks).
+  // This lane's row [k0, k1) of task t (empty for an idle slot or past the tasks); the first
+  // task's offsets load during the copy.
   int k0 = 0, k1 = 0;
   const auto row_range = [&](long long task) {
     const int u = static_cast<int>(task) * KU + row_unit;
@@ -554,20 +568,12 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
     }
   };
   row_range(t);
-#pragma unroll
-  for (int q = 0; q < kPrefetch; ++q) {
-    const int k = (k0 & -kVec) + ((lane % kLanes) + q * kLanes) * kVec;
-    if (k < k1) {
-      prefetch_l1(vals + k);
-      prefetch_l1(p.col_idx + k);
-    }
-  }
   stage_h<kCols, kCopyBatch, kCopyVectors>(hprev, h_s, H, b0, ncols);
   __syncthreads();
   for (; t < tasks; t += stride) {
     const int u0 = static_cast<int>(t) * KU;
     float a[kCols];
-    row_dot<D, kCols, kVec, kUnroll, kLanes>(
+    row_dot<D, kCols, kVec, 1, kLanes>(
         vals, p.col_idx, aligned, k0, k1, lane % kLanes, ncols, a,
         [&](float w, int col, bool in, float (&acc)[kCols]) {
           float h[kCols];
@@ -629,11 +635,12 @@ inline long long step_staged_grid(const Params& p, int cols, int sms) {
   return groups * per_group;
 }
 
-// Where the per-step kernels run (run_steps): the GPU's SM count (step_fwd_staged's grid);
-// staged = 0 for step_fwd only, 1 (the default) for step_fwd_staged where it wins, 2 for
-// step_fwd_staged wherever its copy of h_{t-1} fits (the tests); the largest copy (the device's
-// opt-in shared memory less kStagedStaticBytes), and how to raise a kernel's limit for copies
-// above kStagedDefaultBytes (handlers.cu ensure_smem; without it they do not fit).
+// Where the per-step kernels run (run_steps): the GPU's SM count (the staged kernels' grids);
+// staged = 0 for step_fwd only, 1 (the default) for the kernel that wins (step_launch), 2 for
+// step_fwd_staged and 3 for step_fwd_tasks wherever their copy of h_{t-1} fits (the tests); the
+// largest copy (the device's opt-in shared memory less kStagedStaticBytes), and how to raise a
+// kernel's limit for copies above kStagedDefaultBytes (handlers.cu ensure_smem; without it they
+// do not fit).
 struct StepConfig {
   int sms = 0;
   int staged = 1;
@@ -642,13 +649,16 @@ struct StepConfig {
   cudaError_t (*raise_smem)(int dev, const void* kernel, long long smem) = nullptr;
 };
 
-// How a step launches: step_fwd_staged or step_fwd (`staged` says which).
+// The per-step kernels: step_fwd, step_fwd_staged, step_fwd_tasks.
+enum class StepKind { kRows, kStaged, kTasks };
+
+// How a step launches.
 struct StepLaunch {
   void (*kernel)(Params, int, float*, float*);
   long long blocks;
   int threads;
   long long smem;
-  bool staged;
+  StepKind kind;
 };
 
 // step_fwd_staged's launch for p's columns (whatever its copy's size).
@@ -657,50 +667,71 @@ template <Cell C, DType D, bool kOneStep, int kCopyBatch = kStagedCopyBatch,
 StepLaunch staged_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   return {step_staged_kernel<C, D, kOneStep, kStepVec, kCopyBatch, kCopyVectors>(cols),
-          step_staged_grid<C>(p, cols, sms),
-          staged_threads<C>(), step_staged_bytes<D>(p, cols, kOneStep), true};
+          step_staged_grid<C>(p, cols, sms), staged_threads<C>(),
+          step_staged_bytes<D>(p, cols, kOneStep), StepKind::kStaged};
+}
+
+// step_fwd_tasks for a block of kCols columns, with kLanes lanes per row (-1: kTaskLanes').
+template <Cell C, DType D, bool kOneStep, int kCols, int kLanes>
+constexpr int task_lanes() {
+  return kLanes > 0 ? kLanes : kTaskLanes<C, D, kOneStep, kCols>;
 }
 
 // step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows, but
 // no more than give each warp a task.
-template <Cell C, DType D, bool kOneStep, int kLanes, int kPrefetch = 0, int kUnroll = 1>
+template <Cell C, DType D, bool kOneStep, int kLanes = -1>
 StepLaunch tasks_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
-  const long long groups = (p.B + cols - 1) / cols;
-  const long long tasks = (p.H + task_units<C, kLanes>() - 1) / task_units<C, kLanes>();
-  const long long per_group =
-      std::max(1LL, std::min((tasks + kTaskThreads / 32 - 1) / (kTaskThreads / 32), sms / groups));
-  void (*kernel)(Params, int, float*, float*) =
-      cols == 1   ? &step_fwd_tasks<C, D, kOneStep, 1, kLanes, kPrefetch, kUnroll>
-      : cols == 4 ? &step_fwd_tasks<C, D, kOneStep, 4, kLanes, kPrefetch, kUnroll>
-                  : &step_fwd_tasks<C, D, kOneStep, 8, kLanes, kPrefetch, kUnroll>;
-  return {kernel, groups * per_group, kTaskThreads, step_staged_bytes<D>(p, cols, kOneStep), true};
+  const auto pick = [&](auto c) {
+    constexpr int kCols = decltype(c)::value, L = task_lanes<C, D, kOneStep, kCols, kLanes>();
+    constexpr int kWarps = kTaskThreads / 32;
+    const long long tasks = (p.H + task_units<C, L>() - 1) / task_units<C, L>();
+    const long long groups = (p.B + kCols - 1) / kCols;
+    const long long per_group =
+        std::max(1LL, std::min((tasks + kWarps - 1) / kWarps, sms / groups));
+    return StepLaunch{&step_fwd_tasks<C, D, kOneStep, kCols, L>, groups * per_group, kTaskThreads,
+                      step_staged_bytes<D>(p, kCols, kOneStep), StepKind::kTasks};
+  };
+  return cols == 1   ? pick(std::integral_constant<int, 1>{})
+         : cols == 4 ? pick(std::integral_constant<int, 4>{})
+                     : pick(std::integral_constant<int, 8>{});
 }
 
-// Raises the staged kernel's shared-memory limit for a copy above the default, before l runs.
+// Raises a staged kernel's shared-memory limit for a copy above the default, before l runs.
 inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
-  if (!l.staged || l.smem <= kStagedDefaultBytes) return cudaSuccess;
+  if (l.kind == StepKind::kRows || l.smem <= kStagedDefaultBytes) return cudaSuccess;
   return cfg.raise_smem(cfg.dev, reinterpret_cast<const void*>(l.kernel), l.smem);
 }
 
-// step_fwd_staged where its copy fits and (by default) where it wins: at least two unit chunks
-// per SM, or, with blocks of 4 or 8 columns, 7/8 of a chunk per SM. fp16 us per launch with
-// stage_h's vector copy (step_kernel_probe, session 88 call 3), step_fwd -> staged: one-step B=1
-// LSTM H=4096 (512 chunks) 16.4 -> 15.5, ReLU H=5760 (180) 8.1 -> 9.8, LSTM H=1024 (128) 4.8 ->
-// 5.0; B=4 LSTM H=4096 34.1 -> 21.3, ReLU H=5760 18.0 -> 14.4, LSTM H=1024 6.5 -> 6.4, ReLU
-// H=1152 (36 chunks: 36 SMs busy) 5.2 -> 6.1; B=8 ReLU H=5760 38.5 -> 21.8, LSTM H=1024 9.2 ->
-// 8.1, ReLU H=1152 8.4 -> 8.0; loop steps B=1 LSTM H=4096 18.7 -> 17.1, ReLU H=5760 9.3 -> 10.3;
-// B=4 LSTM H=1024 7.2 -> 7.0, ReLU H=1152 5.8 -> 6.6; B=8 LSTM H=1024 11.5 -> 9.8.
+// A staged kernel where its copy fits and (by default) where it wins:
+// - step_fwd_tasks where the layer has nearly a unit for every warp of the GPU (28 per SM of 32
+//   warps; session 89 call 3, us per launch above step_fwd_tasks: it wins at LSTM H=4096 and
+//   ReLU H=5760, loses at LSTM H=2048 B=8 13.9 -> 15.7, B=4 10.5 -> 11.4, ReLU H=2880 B=8 11.2
+//   -> 13.0, B=4 7.9 -> 9.1);
+// - else step_fwd_staged where it has at least two unit chunks per SM, or, with blocks of 4 or
+//   8 columns, 7/8 of a chunk per SM. Fp16 us per launch with stage_h's vector copy
+//   (step_kernel_probe, session 88 call 3), step_fwd -> staged: one-step B=1 LSTM H=4096 (512
+//   chunks) 16.4 -> 15.5, ReLU H=5760 (180) 8.1 -> 9.8, LSTM H=1024 (128) 4.8 -> 5.0; B=4 LSTM
+//   H=4096 34.1 -> 21.3, ReLU H=5760 18.0 -> 14.4, LSTM H=1024 6.5 -> 6.4, ReLU H=1152 (36
+//   chunks: 36 SMs busy) 5.2 -> 6.1; B=8 ReLU H=5760 38.5 -> 21.8, LSTM H=1024 9.2 -> 8.1, ReLU
+//   H=1152 8.4 -> 8.0; loop steps B=1 LSTM H=4096 18.7 -> 17.1, ReLU H=5760 9.3 -> 10.3; B=4
+//   LSTM H=1024 7.2 -> 7.0, ReLU H=1152 5.8 -> 6.6; B=8 LSTM H=1024 11.5 -> 9.8.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
   const long long bytes = step_staged_bytes<D>(p, cols, kOneStep);
   const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
   const long long chunks = unit_chunks<kStagedUnits<C>>(p);
-  const bool wins = chunks >= 2LL * cfg.sms || (cols >= 4 && 8 * chunks >= 7LL * cfg.sms);
-  if (cfg.sms > 0 && fits && (cfg.staged == 2 || (cfg.staged == 1 && wins)))
-    return staged_launch<C, D, kOneStep>(p, cfg.sms);
-  return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0, false};
+  if (cfg.sms > 0 && fits) {
+    const bool tasks_win = p.H >= 28LL * cfg.sms;
+    const bool staged_wins = chunks >= 2LL * cfg.sms || (cols >= 4 && 8 * chunks >= 7LL * cfg.sms);
+    if (cfg.staged == 3 || (cfg.staged == 1 && tasks_win))
+      return tasks_launch<C, D, kOneStep>(p, cfg.sms);
+    if (cfg.staged == 2 || (cfg.staged == 1 && staged_wins))
+      return staged_launch<C, D, kOneStep>(p, cfg.sms);
+  }
+  return {step_kernel<C, D, kOneStep>(cols), step_blocks<C>(p, cols), step_threads<C>(), 0,
+          StepKind::kRows};
 }
 #endif
 

@@ -94,7 +94,8 @@ column words), ``SPRNN_CUDA_W_CAP`` (tests: at most this many words of nonzeros
 and row offsets per block on chip, so the rest run from L2),
 ``SPRNN_CUDA_STEP_STAGED`` (the per-step kernel of one-step calls, variant 4 and layers off chip:
 0 never copies h into shared memory, 1 does where that wins, on large layers, 2 wherever the
-copy fits in the block's opt-in shared memory, 226 KB on the H200).
+copy fits in the block's opt-in shared memory, 226 KB on the H200, with the blocks looping over
+chunks of units, 3 the same with each warp whole units).
 ``SPRNN_CUDA_VARIANT`` selects a variant for calls made with the default one.
 """
 
@@ -160,7 +161,8 @@ USER_KNOBS = {
     "SPRNN_CUDA_MMA": (-1, 0, 1),  # -1: the planner's choice
     "SPRNN_CUDA_BT": (0, 1, 2, 4, 8, 16, 32, 64),  # 0: the planner's choice
     "SPRNN_CUDA_VARIANT": tuple(sorted(VARIANTS.values())),
-    "SPRNN_CUDA_STEP_STAGED": (0, 1, 2),  # the staged per-step kernel: off, where it wins, forced
+    # the staged per-step kernels: off, where they win, by unit chunks or by warp tasks forced
+    "SPRNN_CUDA_STEP_STAGED": (0, 1, 2, 3),
 }
 
 
