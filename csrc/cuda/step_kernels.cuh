@@ -450,6 +450,35 @@ __device__ __forceinline__ void stage_h(const HIn* hprev, HIn* h_s, int H, int b
   for (; i < n; i += stride) store(i, load(i));
 }
 
+// A staged kernel's block: blocks per column group (the grid splits evenly between them), and
+// the block's batch columns b0 .. b0 + ncols - 1.
+struct StagedBlock {
+  int per_group, b0, ncols;
+};
+
+template <int kCols>
+__device__ __forceinline__ StagedBlock staged_block(const Params& p) {
+  const int groups = (p.B + kCols - 1) / kCols;
+  const int per_group = static_cast<int>(gridDim.x) / groups;
+  const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
+  return {per_group, b0, min(kCols, p.B - b0)};
+}
+
+// The staged kernels' accumulate (row_dot's): one load of the nonzero's column of h_{t-1} for
+// all kCols columns from h_s ([H][kCols]).
+template <DType kHType, int kCols>
+__device__ __forceinline__ auto staged_accumulate(const typename Tr<kHType>::S* h_s) {
+  return [h_s](float w, int col, bool in, float (&a)[kCols]) {
+    float h[kCols];
+    load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const float sum = fmaf(w, h[j], a[j]);
+      a[j] = in ? sum : a[j];
+    }
+  };
+}
+
 template <Cell kCell, DType D, bool kOneStep, int kCols, int kVec = kStepVec,
           int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
 __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
@@ -462,11 +491,8 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   HIn* h_s = reinterpret_cast<HIn*>(step_staged_smem);  // [H][kCols]
   __shared__ float sums[U * G * kCols];
   static_assert(sizeof(sums) <= kStagedStaticBytes, "the copy's limits leave 1 KB");
-  const int H = p.H, B = p.B;
-  const int groups = (B + kCols - 1) / kCols;
-  const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
-  const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
-  const int ncols = min(kCols, B - b0);
+  const int H = p.H;
+  const auto [per_group, b0, ncols] = staged_block<kCols>(p);
   const float* hin = workspace_h<kOneStep>(p, hbuf, s);
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
@@ -477,16 +503,8 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
   for (long long chunk = blockIdx.x % per_group; chunk < chunks; chunk += per_group) {
     const int u0 = static_cast<int>(chunk) * U;
     if (running) {
-      row_sums<kCell, D, kCols, kVec, 1>(
-          p, u0, ncols, sums, [&](float w, int col, bool in, float (&a)[kCols]) {
-            float h[kCols];
-            load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-              const float sum = fmaf(w, h[j], a[j]);
-              a[j] = in ? sum : a[j];
-            }
-          });
+      row_sums<kCell, D, kCols, kVec, 1>(p, u0, ncols, sums,
+                                         staged_accumulate<kHType, kCols>(h_s));
     }
     __syncthreads();
     update_block<kCell, D, kOneStep, U, kCols>(p, s, u0, b0, ncols, sums, hin, hout, cbuf);
@@ -538,11 +556,8 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
   static_assert(KU * kCols <= 32, "a lane per (unit, column) of a task's update");
   extern __shared__ __align__(16) unsigned char step_staged_smem[];
   HIn* h_s = reinterpret_cast<HIn*>(step_staged_smem);  // [H][kCols]
-  const int H = p.H, B = p.B;
-  const int groups = (B + kCols - 1) / kCols;
-  const int per_group = static_cast<int>(gridDim.x) / groups;  // blocks per column group
-  const int b0 = static_cast<int>(blockIdx.x) / per_group * kCols;
-  const int ncols = min(kCols, B - b0);
+  const int H = p.H;
+  const auto [per_group, b0, ncols] = staged_block<kCols>(p);
   const float* hin = workspace_h<kOneStep>(p, hbuf, s);
   float* hout = workspace_h<kOneStep>(p, hbuf, s + 1);
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
@@ -573,17 +588,8 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
   for (; t < tasks; t += stride) {
     const int u0 = static_cast<int>(t) * KU;
     float a[kCols];
-    row_dot<D, kCols, kVec, 1, kLanes>(
-        vals, p.col_idx, aligned, k0, k1, lane % kLanes, ncols, a,
-        [&](float w, int col, bool in, float (&acc)[kCols]) {
-          float h[kCols];
-          load_vals<kHType, kCols>(h_s + static_cast<long long>(col) * kCols, h);
-#pragma unroll
-          for (int j = 0; j < kCols; ++j) {
-            const float sum = fmaf(w, h[j], acc[j]);
-            acc[j] = in ? sum : acc[j];
-          }
-        });
+    row_dot<D, kCols, kVec, 1, kLanes>(vals, p.col_idx, aligned, k0, k1, lane % kLanes, ncols,
+                                       a, staged_accumulate<kHType, kCols>(h_s));
     row_range(t + stride);  // (its loads overlap the update's)
     // Gate g of unit upd_unit, column upd_col: from the first lane of that row's slot.
     float hw[G];
