@@ -214,7 +214,7 @@ def test_staged_step_kernel(cell, dtype, kernel, monkeypatch):
 @pytest.mark.parametrize("kernel", STAGED_KERNELS)
 def test_staged_step_kernel_at_the_device_limit(kernel, monkeypatch):
     """Loop steps whose float32 copy of h (8 columns) takes exactly the largest copy this GPU
-    allows run the staged kernel and match the oracle; one unit more runs step_fwd."""
+    allows run the forced staged kernel and match the oracle; one unit more runs step_fwd."""
     monkeypatch.setenv("SPRNN_CUDA_STEP_STAGED", kernel)
     largest = _ffi.cuda_module.staged_step_max_bytes() // (8 * 4)
     for n, (hidden, want) in enumerate([(largest, 2), (largest + 1, 0)]):
