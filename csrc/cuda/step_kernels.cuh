@@ -684,8 +684,8 @@ constexpr int task_lanes() {
 }
 
 // step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows, but
-// no more than give each warp a task.
-template <Cell C, DType D, bool kOneStep, int kLanes = -1>
+// no more than give each warp a task (kEverySm: or a task to each block).
+template <Cell C, DType D, bool kOneStep, int kLanes = -1, bool kEverySm = false>
 StepLaunch tasks_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   const auto pick = [&](auto c) {
@@ -694,7 +694,7 @@ StepLaunch tasks_launch(const Params& p, int sms) {
     const long long tasks = (p.H + task_units<C, L>() - 1) / task_units<C, L>();
     const long long groups = (p.B + kCols - 1) / kCols;
     const long long per_group =
-        std::max(1LL, std::min((tasks + kWarps - 1) / kWarps, sms / groups));
+        std::max(1LL, std::min(kEverySm ? tasks : (tasks + kWarps - 1) / kWarps, sms / groups));
     return StepLaunch{&step_fwd_tasks<C, D, kOneStep, kCols, L>, groups * per_group, kTaskThreads,
                       step_staged_bytes<D>(p, kCols, kOneStep), StepKind::kTasks};
   };
