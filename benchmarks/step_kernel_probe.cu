@@ -64,11 +64,10 @@ Setting staged(const char* name, const Params& p) {
           kOne};
 }
 
-// step_fwd_tasks with kLanes lanes per row (-1: the package's, kTaskLanes), on every SM or not.
-template <Cell C, bool kOne, int kLanes = -1, bool kEverySm = false>
+// step_fwd_tasks with kLanes lanes per row (-1: the package's, kTaskLanes).
+template <Cell C, bool kOne, int kLanes = -1>
 Setting tasks(const char* name, const Params& p) {
-  return {name, sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes, kEverySm>(p, g_sms),
-          kOne};
+  return {name, sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes>(p, g_sms), kOne};
 }
 
 template <Cell C>
@@ -91,9 +90,7 @@ std::vector<Setting> settings(const Params& p) {
       staged<C, false, 8, 4>("loop step, staged, vector copy 4", p),
       staged<C, false, 8, 8>("loop step, staged, vector copy 8", p),
       tasks<C, true>("tasks", p),
-      tasks<C, false>("loop step, tasks", p),
-      tasks<C, true, -1, true>("tasks, every SM", p),
-      tasks<C, false, -1, true>("loop step, tasks, every SM", p)};
+      tasks<C, false>("loop step, tasks", p)};
   if constexpr (sprnn::gates_of(C) == 1) {  // the RNN's other lanes per row (kTaskLanes)
     all.push_back(tasks<C, true, 32>("tasks, 32 lanes", p));
     all.push_back(tasks<C, false, 16>("loop step, tasks, 16 lanes", p));

@@ -520,14 +520,13 @@ __global__ void __launch_bounds__(staged_threads<kCell>(), 1)
 // task: kLanes lanes per gate row, the warp's 32 / kLanes row slots holding task_units units'
 // gate rows; the GRU's 3 leave a slot of 4 idle), adds the gate sums by shuffles and updates
 // the units from the same warp, so that after the copy of h_{t-1} its warps never wait on each
-// other. Tasks go round-robin over every warp of the column group's blocks. A task's rows take
-// more passes than one row per warp, so it wins only where the tasks keep nearly every warp of
-// the GPU busy (step_launch). Fp16 us per launch, step_fwd_staged -> step_fwd_tasks
-// (step_kernel_probe, session 89 call 3): one-step LSTM H=4096 B=8 30.3 -> 24.1, B=4 21.7 ->
-// 16.3, B=1 16.1 -> 12.1; ReLU H=5760 B=8 21.8 -> 19.5, B=4 14.5 -> 12.8; loop steps LSTM
-// H=4096 B=8 46.9 -> 42.5, ReLU H=5760 B=8 34.1 -> 28.5; but LSTM H=2048 B=8 13.9 -> 15.7.
-// Asking the first passes into L1 during the copy, or two loads in flight per lane, gained
-// nothing (call 3).
+// other. Tasks go round-robin over every warp of the column group's blocks (tasks_launch). A
+// task's rows take more passes than one row per warp, so on small layers it loses (step_launch).
+// Fp16 us per launch, step_fwd_staged -> step_fwd_tasks (step_kernel_probe, session 89 call 3,
+// a block per 32 tasks; call 6 spread them over every SM, faster still): one-step LSTM H=4096
+// B=8 30.3 -> 24.1, B=4 21.7 -> 16.3, B=1 16.1 -> 12.1; ReLU H=5760 B=8 21.8 -> 19.5, B=4 14.5
+// -> 12.8; loop steps LSTM H=4096 B=8 46.9 -> 42.5, ReLU H=5760 B=8 34.1 -> 28.5. Asking the
+// first passes into L1 during the copy, or two loads in flight per lane, gained nothing (call 3).
 template <Cell kCell, int kLanes>
 __host__ __device__ constexpr int task_units() {
   static_assert(32 / kLanes >= gates_of(kCell), "a unit's gate rows fit in one warp");
@@ -683,18 +682,20 @@ constexpr int task_lanes() {
   return kLanes > 0 ? kLanes : kTaskLanes<C, D, kOneStep, kCols>;
 }
 
-// step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows, but
-// no more than give each warp a task (kEverySm: or a task to each block).
-template <Cell C, DType D, bool kOneStep, int kLanes = -1, bool kEverySm = false>
+// step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows (at
+// most one per task), so that the tasks spread over every SM rather than fill 32 warps of as
+// few. Us per launch, a block per 32 tasks -> every SM (step_kernel_probe, session 89 call 6):
+// one-step ReLU H=5760 (16 lanes: 2880 tasks, 90 blocks) B=8 19.7 -> 17.1, B=4 12.8 -> 11.3,
+// B=1 8.2 -> 7.7; loop steps B=4 15.9 -> 13.5; LSTM H=4096 (4096 tasks, 128 blocks) B=8 24.5 ->
+// 23.9; LSTM H=2048 B=8 15.8 -> 12.4, loop 25.7 -> 18.0 (step_fwd_staged 13.9 and 18.6).
+template <Cell C, DType D, bool kOneStep, int kLanes = -1>
 StepLaunch tasks_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   const auto pick = [&](auto c) {
     constexpr int kCols = decltype(c)::value, L = task_lanes<C, D, kOneStep, kCols, kLanes>();
-    constexpr int kWarps = kTaskThreads / 32;
     const long long tasks = (p.H + task_units<C, L>() - 1) / task_units<C, L>();
     const long long groups = (p.B + kCols - 1) / kCols;
-    const long long per_group =
-        std::max(1LL, std::min(kEverySm ? tasks : (tasks + kWarps - 1) / kWarps, sms / groups));
+    const long long per_group = std::max(1LL, std::min(tasks, sms / groups));
     return StepLaunch{&step_fwd_tasks<C, D, kOneStep, kCols, L>, groups * per_group, kTaskThreads,
                       step_staged_bytes<D>(p, kCols, kOneStep), StepKind::kTasks};
   };
@@ -711,9 +712,11 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
 
 // A staged kernel where its copy fits and (by default) where it wins:
 // - step_fwd_tasks where the layer has nearly a unit for every warp of the GPU (28 per SM of 32
-//   warps; session 89 call 3, us per launch above step_fwd_tasks: it wins at LSTM H=4096 and
-//   ReLU H=5760, loses at LSTM H=2048 B=8 13.9 -> 15.7, B=4 10.5 -> 11.4, ReLU H=2880 B=8 11.2
-//   -> 13.0, B=4 7.9 -> 9.1);
+//   warps; session 89 call 3, with a block per 32 tasks, us per launch above step_fwd_tasks: it
+//   won at LSTM H=4096 and ReLU H=5760, lost at LSTM H=2048 B=8 13.9 -> 15.7, B=4 10.5 -> 11.4,
+//   ReLU H=2880 B=8 11.2 -> 13.0, B=4 7.9 -> 9.1. Spread over every SM it wins at those B=8
+//   layers too (call 6: 13.9 -> 12.4, 11.4 -> 10.5), not yet measured at B=1 and 4, so the
+//   edge stays);
 // - else step_fwd_staged where it has at least two unit chunks per SM, or, with blocks of 4 or
 //   8 columns, 7/8 of a chunk per SM. Fp16 us per launch with stage_h's vector copy
 //   (step_kernel_probe, session 88 call 3), step_fwd -> staged: one-step B=1 LSTM H=4096 (512
