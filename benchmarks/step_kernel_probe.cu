@@ -222,9 +222,12 @@ int main(int argc, char** argv) {
   for (int B : {4, 1, 8}) {
     run<Cell::kLstm>("lstm 10%", 1024, B, 0.1, rng);
     run<Cell::kLstm>("lstm 10%", 2048, B, 0.1, rng);
+    run<Cell::kLstm>("lstm 10%", 3072, B, 0.1, rng);
     run<Cell::kLstm>("lstm 10%", 4096, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 1152, B, 0.1, rng);
+    run<Cell::kRnnTanh>("relu 10%", 2304, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 2880, B, 0.1, rng);
+    run<Cell::kRnnTanh>("relu 10%", 4224, B, 0.1, rng);
     run<Cell::kRnnTanh>("relu 10%", 5760, B, 0.1, rng);
     run<Cell::kGru>("gru 10%", 2048, B, 0.1, rng);
     run<Cell::kGru>("gru 10%", 4096, B, 0.1, rng);
