@@ -64,8 +64,8 @@ Setting staged(const char* name, const Params& p) {
           kOne};
 }
 
-// step_fwd_tasks with kLanes lanes per row (-1: the package's, kTaskLanes).
-template <Cell C, bool kOne, int kLanes = -1>
+// step_fwd_tasks with kLanes lanes per row (0: the package's, kTaskLanes).
+template <Cell C, bool kOne, int kLanes = 0>
 Setting tasks(const char* name, const Params& p) {
   return {name, sprnn::cuda::tasks_launch<C, DType::kF16, kOne, kLanes>(p, g_sms), kOne};
 }

@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(step_threads<kCell>(), kMinBlocks)
 // most of its issue slots and memory pipes go to those gathers (ncu, session 83).
 // step_fwd_staged copies the h_{t-1} of its kCols columns into shared memory once, interleaved
 // (h[col][j]), so a nonzero takes one load of all its columns' values, and then loops over unit
-// chunks: blocks of 32 warps, one per SM (grid of step_staged_grid blocks), so that the copy is
+// chunks: blocks of 32 warps, one per SM (grid of staged_grid blocks), so that the copy is
 // made once per SM, not once per 8 units. Where it runs: step_launch.
 template <Cell kCell>
 constexpr int kStagedUnits = 32 / gates_of(kCell);  // 32 warps (30 for the GRU)
@@ -544,8 +544,7 @@ constexpr int kTaskLanes =
 constexpr int kTaskThreads = 1024;  // 32 warps per block, one block per SM
 
 template <Cell kCell, DType D, bool kOneStep, int kCols,
-          int kLanes = kTaskLanes<kCell, D, kOneStep, kCols>, int kVec = kStepVec,
-          int kCopyBatch = kStagedCopyBatch, int kCopyVectors = kStagedCopyVectors>
+          int kLanes = kTaskLanes<kCell, D, kOneStep, kCols>>
 __global__ void __launch_bounds__(kTaskThreads, 1)
     step_fwd_tasks(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -562,11 +561,11 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
   const HIn* hprev = step_hprev<D, kOneStep>(p, hin);
   const bool running = s < max_seq_len(p, b0, b0 + ncols);
   const auto* vals = static_cast<const typename Tr<D>::S*>(p.values);
-  const bool aligned = nonzeros_aligned<D, kVec>(vals, p.col_idx);
+  const bool aligned = nonzeros_aligned<D, kStepVec>(vals, p.col_idx);
   const int lane = threadIdx.x & 31, slot = lane / kLanes;
   const int row_unit = slot / G, gate = slot % G;  // this lane's row: gate `gate` of unit row_unit
   const int upd_unit = lane / kCols, upd_col = lane % kCols;  // this lane's update
-  const long long tasks = (H + KU - 1) / KU;
+  const long long tasks = (H + KU - 1) / KU;  // (unit_chunks<KU>'s value in int arithmetic)
   const long long stride = static_cast<long long>(blockDim.x / 32) * per_group;
   long long t = static_cast<long long>(threadIdx.x / 32) * per_group + blockIdx.x % per_group;
   // This lane's row [k0, k1) of task t (empty for an idle slot or past the tasks); the first
@@ -582,13 +581,13 @@ __global__ void __launch_bounds__(kTaskThreads, 1)
     }
   };
   row_range(t);
-  stage_h<kCols, kCopyBatch, kCopyVectors>(hprev, h_s, H, b0, ncols);
+  stage_h<kCols, kStagedCopyBatch, kStagedCopyVectors>(hprev, h_s, H, b0, ncols);
   __syncthreads();
   for (; t < tasks; t += stride) {
     const int u0 = static_cast<int>(t) * KU;
     float a[kCols];
-    row_dot<D, kCols, kVec, 1, kLanes>(vals, p.col_idx, aligned, k0, k1, lane % kLanes, ncols,
-                                       a, staged_accumulate<kHType, kCols>(h_s));
+    row_dot<D, kCols, kStepVec, 1, kLanes>(vals, p.col_idx, aligned, k0, k1, lane % kLanes,
+                                           ncols, a, staged_accumulate<kHType, kCols>(h_s));
     row_range(t + stride);  // (its loads overlap the update's)
     // Gate g of unit upd_unit, column upd_col: from the first lane of that row's slot.
     float hw[G];
@@ -630,14 +629,12 @@ auto step_staged_kernel(int cols) {
   }
 }
 
-// Blocks of step_fwd_staged for a step: per column group as many as `sms` allows (at least one),
-// each looping over its share of the unit chunks.
-template <Cell kCell>
-inline long long step_staged_grid(const Params& p, int cols, int sms) {
+// Blocks of a staged kernel for a step of blocks of `cols` columns: per column group as many as
+// `sms` allows, at least one and at most one per work item (unit chunks or tasks), each looping
+// over its share of the items.
+inline long long staged_grid(const Params& p, int cols, long long items, int sms) {
   const long long groups = (p.B + cols - 1) / cols;
-  const long long chunks = unit_chunks<kStagedUnits<kCell>>(p);
-  const long long per_group = std::max(1LL, std::min(chunks, sms / groups));
-  return groups * per_group;
+  return groups * std::max(1LL, std::min(items, sms / groups));
 }
 
 // Where the per-step kernels run (run_steps): the GPU's SM count (the staged kernels' grids);
@@ -672,32 +669,26 @@ template <Cell C, DType D, bool kOneStep, int kCopyBatch = kStagedCopyBatch,
 StepLaunch staged_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   return {step_staged_kernel<C, D, kOneStep, kStepVec, kCopyBatch, kCopyVectors>(cols),
-          step_staged_grid<C>(p, cols, sms), staged_threads<C>(),
+          staged_grid(p, cols, unit_chunks<kStagedUnits<C>>(p), sms), staged_threads<C>(),
           step_staged_bytes<D>(p, cols, kOneStep), StepKind::kStaged};
 }
 
-// step_fwd_tasks for a block of kCols columns, with kLanes lanes per row (-1: kTaskLanes').
-template <Cell C, DType D, bool kOneStep, int kCols, int kLanes>
-constexpr int task_lanes() {
-  return kLanes > 0 ? kLanes : kTaskLanes<C, D, kOneStep, kCols>;
-}
-
-// step_fwd_tasks' launch for p's columns: per column group as many blocks as `sms` allows (at
-// most one per task), so that the tasks spread over every SM rather than fill 32 warps of as
-// few. Us per launch, a block per 32 tasks -> every SM (step_kernel_probe, session 89 call 6):
+// step_fwd_tasks' launch for p's columns, with kLanes lanes per row (0: kTaskLanes'): per
+// column group as many blocks as `sms` allows (at most one per task), so that the tasks spread
+// over every SM rather than fill 32 warps of as few. Us per launch, a block per 32 tasks ->
+// every SM (step_kernel_probe, session 89 call 6):
 // one-step ReLU H=5760 (16 lanes: 2880 tasks, 90 blocks) B=8 19.7 -> 17.1, B=4 12.8 -> 11.3,
 // B=1 8.2 -> 7.7; loop steps B=4 15.9 -> 13.5; LSTM H=4096 (4096 tasks, 128 blocks) B=8 24.5 ->
 // 23.9; LSTM H=2048 B=8 15.8 -> 12.4, loop 25.7 -> 18.0 (step_fwd_staged 13.9 and 18.6).
-template <Cell C, DType D, bool kOneStep, int kLanes = -1>
+template <Cell C, DType D, bool kOneStep, int kLanes = 0>
 StepLaunch tasks_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   const auto pick = [&](auto c) {
-    constexpr int kCols = decltype(c)::value, L = task_lanes<C, D, kOneStep, kCols, kLanes>();
-    const long long tasks = (p.H + task_units<C, L>() - 1) / task_units<C, L>();
-    const long long groups = (p.B + kCols - 1) / kCols;
-    const long long per_group = std::max(1LL, std::min(tasks, sms / groups));
-    return StepLaunch{&step_fwd_tasks<C, D, kOneStep, kCols, L>, groups * per_group, kTaskThreads,
-                      step_staged_bytes<D>(p, kCols, kOneStep), StepKind::kTasks};
+    constexpr int kCols = decltype(c)::value;
+    constexpr int L = kLanes > 0 ? kLanes : kTaskLanes<C, D, kOneStep, kCols>;
+    return StepLaunch{&step_fwd_tasks<C, D, kOneStep, kCols, L>,
+                      staged_grid(p, kCols, unit_chunks<task_units<C, L>()>(p), sms),
+                      kTaskThreads, step_staged_bytes<D>(p, kCols, kOneStep), StepKind::kTasks};
   };
   return cols == 1   ? pick(std::integral_constant<int, 1>{})
          : cols == 4 ? pick(std::integral_constant<int, 4>{})
