@@ -93,7 +93,7 @@ std::vector<Setting> settings(const Params& p) {
       tasks<C, false>("loop step, tasks", p)};
   if constexpr (sprnn::gates_of(C) == 1) {  // the RNN's other lanes per row (kTaskLanes)
     all.push_back(tasks<C, true, 32>("tasks, 32 lanes", p));
-    all.push_back(tasks<C, false, 16>("loop step, tasks, 16 lanes", p));
+    all.push_back(tasks<C, false, 32>("loop step, tasks, 32 lanes", p));
   }
   return all;
 }

@@ -533,18 +533,18 @@ __host__ __device__ constexpr int task_units() {
   return 32 / kLanes / gates_of(kCell);
 }
 
-// Lanes per gate row of step_fwd_tasks: 8 for the LSTM and GRU (a unit's gates in one warp);
-// for an RNN 16, or 32 where each nonzero gathers 32 bytes of h (float32 loop steps of 8
-// columns). ReLU H=5760, us per launch, 16 / 32 lanes (session 89 call 2): one-step B=8 19.8 /
-// 20.7, B=1 8.5 / 9.3; loop steps B=8 32.1 / 28.8, B=4 16.1 / 15.8, B=1 9.0 / 9.8.
-template <Cell kCell, DType D, bool kOneStep, int kCols>
-constexpr int kTaskLanes =
-    gates_of(kCell) > 1 ? 8 : step_h_bytes<D>(kCols, kOneStep) >= 32 ? 32 : 16;
+// Lanes per gate row of step_fwd_tasks: 8 for the LSTM and GRU (a unit's gates in one warp), 16
+// for an RNN. With the tasks spread over every SM, 16 lanes beat 32 on the loop steps of 8
+// columns too (float32 h, 32 bytes a nonzero), which took 32 before: ReLU us per launch, 16 / 32
+// lanes (step_kernel_probe, session 90 call 1), H=5760 26.5 / 28.7, H=4224 18.6 / 19.8, H=2880
+// 13.1 / 13.7; one-step B=8 H=5760 17.1 / 20.4, B=1 7.8 / 9.1.
+template <Cell kCell>
+constexpr int kTaskLanes = gates_of(kCell) > 1 ? 8 : 16;
 
 constexpr int kTaskThreads = 1024;  // 32 warps per block, one block per SM
 
 template <Cell kCell, DType D, bool kOneStep, int kCols,
-          int kLanes = kTaskLanes<kCell, D, kOneStep, kCols>>
+          int kLanes = kTaskLanes<kCell>>
 __global__ void __launch_bounds__(kTaskThreads, 1)
     step_fwd_tasks(Params p, int s, float* hbuf, float* cbuf) {
   constexpr DType kHType = kStepHType<D, kOneStep>;
@@ -685,7 +685,7 @@ StepLaunch tasks_launch(const Params& p, int sms) {
   const int cols = step_cols(p.B);
   const auto pick = [&](auto c) {
     constexpr int kCols = decltype(c)::value;
-    constexpr int L = kLanes > 0 ? kLanes : kTaskLanes<C, D, kOneStep, kCols>;
+    constexpr int L = kLanes > 0 ? kLanes : kTaskLanes<C>;
     return StepLaunch{&step_fwd_tasks<C, D, kOneStep, kCols, L>,
                       staged_grid(p, kCols, unit_chunks<task_units<C, L>()>(p), sms),
                       kTaskThreads, step_staged_bytes<D>(p, kCols, kOneStep), StepKind::kTasks};
@@ -701,13 +701,23 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
   return cfg.raise_smem(cfg.dev, reinterpret_cast<const void*>(l.kernel), l.smem);
 }
 
+// Units per SM from which step_fwd_tasks beats step_fwd and step_fwd_staged, by cell and
+// columns per block. Fp16 us per launch, the faster of the other two -> tasks
+// (step_kernel_probe, session 90 call 1, one-step; loop steps agree), by units per SM on 132:
+// - LSTM and GRU, 15: H=2048 (15.5) B=4 10.6 -> 9.4, B=8 14.0 -> 12.5, GRU B=8 13.7 -> 11.4,
+//   LSTM B=1 7.8 -> 7.3; H=1024 (7.8) loses, B=4 6.5 -> 7.1, B=8 8.2 -> 8.8. The GRU at B=1
+//   (a slot of 4 idle in every task) 28: H=2048 6.1 -> 6.8, H=4096 (31) 12.1 -> 10.4.
+// - RNN, B=8 columns, 8: H=1152 (8.7) 8.1 -> 7.6. 4 columns, 21: H=2880 (21.8) 8.0 -> 7.8,
+//   H=2304 (17.5) 7.25 -> 7.27, H=4224 (32) 9.06 -> 9.27 (loop steps 10.6 -> 10.4), H=5760
+//   (43.6) 14.6 -> 11.4. 1 column, 40: H=4224 6.3 -> 6.7, H=5760 8.2 -> 7.8.
+template <Cell C>
+constexpr int tasks_edge(int cols) {
+  if (gates_of(C) > 1) return C == Cell::kGru && cols == 1 ? 28 : 15;
+  return cols >= 8 ? 8 : cols >= 4 ? 21 : 40;
+}
+
 // A staged kernel where its copy fits and (by default) where it wins:
-// - step_fwd_tasks where the layer has nearly a unit for every warp of the GPU (28 per SM of 32
-//   warps; session 89 call 3, with a block per 32 tasks, us per launch above step_fwd_tasks: it
-//   won at LSTM H=4096 and ReLU H=5760, lost at LSTM H=2048 B=8 13.9 -> 15.7, B=4 10.5 -> 11.4,
-//   ReLU H=2880 B=8 11.2 -> 13.0, B=4 7.9 -> 9.1. Spread over every SM it wins at those B=8
-//   layers too (call 6: 13.9 -> 12.4, 11.4 -> 10.5), not yet measured at B=1 and 4, so the
-//   edge stays);
+// - step_fwd_tasks from tasks_edge units per SM (before session 90 28 for every cell and B);
 // - else step_fwd_staged where it has at least two unit chunks per SM, or, with blocks of 4 or
 //   8 columns, 7/8 of a chunk per SM. Fp16 us per launch with stage_h's vector copy
 //   (step_kernel_probe, session 88 call 3), step_fwd -> staged: one-step B=1 LSTM H=4096 (512
@@ -723,7 +733,7 @@ StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const bool fits = bytes <= kStagedDefaultBytes || (bytes <= cfg.max_bytes && cfg.raise_smem);
   const long long chunks = unit_chunks<kStagedUnits<C>>(p);
   if (cfg.sms > 0 && fits) {
-    const bool tasks_win = p.H >= 28LL * cfg.sms;
+    const bool tasks_win = p.H >= static_cast<long long>(tasks_edge<C>(cols)) * cfg.sms;
     const bool staged_wins = chunks >= 2LL * cfg.sms || (cols >= 4 && 8 * chunks >= 7LL * cfg.sms);
     if (cfg.staged == 3 || (cfg.staged == 1 && tasks_win))
       return tasks_launch<C, D, kOneStep>(p, cfg.sms);
