@@ -12,6 +12,7 @@
 //   step_kernel_probe CELL H B LAUNCHES SETTING   (one layer, one setting, e.g. under ncu:
 //                                                  CELL lstm, gru or relu, SETTING an index
 //                                                  below)
+//   step_kernel_probe CELL:H:B ...                 (these layers, every setting)
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -209,14 +210,31 @@ void run(const char* label, int H, int B, double density, std::mt19937& rng) {
 int main(int argc, char** argv) {
   std::mt19937 rng(0);
   CHECK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
-  if (argc == 6) {
-    const std::string cell = argv[1];
-    const int H = std::atoi(argv[2]), B = std::atoi(argv[3]);
-    g_launches = std::atoi(argv[4]);
-    g_only = std::atoi(argv[5]);
+  auto run_cell = [&rng](const std::string& cell, int H, int B) {
     if (cell == "lstm") run<Cell::kLstm>("lstm 10%", H, B, 0.1, rng);
     else if (cell == "gru") run<Cell::kGru>("gru 10%", H, B, 0.1, rng);
-    else run<Cell::kRnnTanh>("relu 10%", H, B, 0.1, rng);
+    else if (cell == "relu") run<Cell::kRnnTanh>("relu 10%", H, B, 0.1, rng);
+    else {
+      std::fprintf(stderr, "unknown cell '%s' (lstm, gru or relu)\n", cell.c_str());
+      std::exit(2);
+    }
+  };
+  if (argc == 6) {
+    g_launches = std::atoi(argv[4]);
+    g_only = std::atoi(argv[5]);
+    run_cell(argv[1], std::atoi(argv[2]), std::atoi(argv[3]));
+    return 0;
+  }
+  if (argc > 1) {
+    for (int i = 1; i < argc; ++i) {
+      char cell[16];
+      int H = 0, B = 0;
+      if (std::sscanf(argv[i], "%15[a-z]:%d:%d", cell, &H, &B) != 3 || H < 1 || B < 1) {
+        std::fprintf(stderr, "'%s': expected CELL:H:B, e.g. lstm:1536:4\n", argv[i]);
+        return 2;
+      }
+      run_cell(cell, H, B);
+    }
     return 0;
   }
   for (int B : {4, 1, 8}) {
