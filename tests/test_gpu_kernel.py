@@ -226,22 +226,23 @@ def test_staged_step_kernel_at_the_device_limit(kernel, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_staged_step_kernel_by_default(dtype, monkeypatch):
     """By default (step_kernels.cuh step_launch) step_fwd_tasks runs on layers of at least
-    tasks_edge units per SM (LSTM and GRU 15, the GRU at B=1 28; RNN at B=8, 4, 1: 8, 21, 40),
+    tasks_edge units per SM (at B=1, 4, 8: LSTM 12, 9, 8; GRU 17, 10, 10; RNN 40, 18, 5),
     step_fwd_staged on smaller ones of two chunks of units per SM, or with blocks of 4 or 8
-    columns of 7/8 of a chunk per SM, step_fwd on the rest. Fixed cases, for GPUs of 55 to 144
+    columns of 7/8 to one chunk per SM, step_fwd on the rest. Fixed cases, for GPUs of 65 to 144
     SMs: one-step LSTM H=4096 (B=8: a 64 KB copy of h, the limit raised) and ReLU H=5760 by
     tasks at B=1, 4 and 8; ReLU H=1152 at B=4 (36 chunks of 32 units) by step_fwd. And the
     rules' edges on this GPU at B=1, 4 and 8: the tasks edge of each cell, and for the LSTM
-    (chunks of 8 units) the staged edge where it lies below the tasks edge (B=4 and 8)."""
+    (chunks of 8 units) the staged kernel's edges where they lie below the tasks edge: 7/8 of a
+    chunk per SM (B=4 and 8) and one chunk (B=4)."""
     monkeypatch.delenv("SPRNN_CUDA_STEP_STAGED", raising=False)
     sms = _ffi.cuda_module.plan(4, 0, 1024, 4, 1024)["sms"]  # this GPU's (any layer's plan)
     cases = [("lstm", (1, batch, 4096, 0.1, "uniform"), "3") for batch in (1, 4, 8)]
     cases += [("rnn", (1, batch, 5760, 0.1, "uniform"), "3") for batch in (1, 4, 8)]
     cases += [("rnn", (1, 4, 1152, 0.1, "uniform"), None)]
     # (cell, B, tasks edge in units per SM, the kernel one unit below it)
-    edges = [("lstm", 1, 15, None), ("lstm", 4, 15, "2"), ("lstm", 8, 15, "2"),
-             ("gru", 1, 28, "2"), ("gru", 4, 15, "2"),
-             ("rnn", 1, 40, None), ("rnn", 4, 21, None), ("rnn", 8, 8, None)]
+    edges = [("lstm", 1, 12, None), ("lstm", 4, 9, None), ("lstm", 8, 8, "2"),
+             ("gru", 1, 17, None), ("gru", 4, 10, "2"),
+             ("rnn", 1, 40, None), ("rnn", 4, 18, None), ("rnn", 8, 5, None)]
     for cell, batch, edge, below in edges:
         cases += [(cell, (1, batch, edge * sms, 0.05, "uniform"), "3"),
                   (cell, (1, batch, edge * sms - 1, 0.05, "uniform"), below)]
@@ -249,6 +250,8 @@ def test_staged_step_kernel_by_default(dtype, monkeypatch):
     for batch in (4, 8):
         cases += [("lstm", (1, batch, 8 * seven_eighths, 0.1, "uniform"), "2"),
                   ("lstm", (1, batch, 8 * (seven_eighths - 1), 0.1, "uniform"), None)]
+    cases += [("lstm", (1, 4, 8 * sms, 0.05, "uniform"), "2"),  # one chunk per SM
+              ("lstm", (1, 4, 8 * sms + 1, 0.05, "uniform"), None)]
     for n, (cell, shape, want) in enumerate(cases):
         before = step_launches()
         check(cell, dtype, shape, -1, n)

@@ -702,30 +702,38 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
 }
 
 // Units per SM from which step_fwd_tasks beats step_fwd and step_fwd_staged, by cell and
-// columns per block. Fp16 us per launch, the faster of the other two -> tasks
-// (step_kernel_probe, session 90 call 1, one-step; loop steps agree), by units per SM on 132:
-// - LSTM and GRU, 15: H=2048 (15.5) B=4 10.6 -> 9.4, B=8 14.0 -> 12.5, GRU B=8 13.7 -> 11.4,
-//   LSTM B=1 7.8 -> 7.3; H=1024 (7.8) loses, B=4 6.5 -> 7.1, B=8 8.2 -> 8.8. The GRU at B=1
-//   (a slot of 4 idle in every task) 28: H=2048 6.1 -> 6.8, H=4096 (31) 12.1 -> 10.4.
-// - RNN, B=8 columns, 8: H=1152 (8.7) 8.1 -> 7.6. 4 columns, 21: H=2880 (21.8) 8.0 -> 7.8,
-//   H=2304 (17.5) 7.25 -> 7.27, H=4224 (32) 9.06 -> 9.27 (loop steps 10.6 -> 10.4), H=5760
-//   (43.6) 14.6 -> 11.4. 1 column, 40: H=4224 6.3 -> 6.7, H=5760 8.2 -> 7.8.
+// columns per block. Fp16 us per launch, one-step, the faster of the other two -> tasks (loop
+// steps agree), by units per SM on 132 SMs (step_kernel_probe, session 90 call 1 and session 91
+// calls 1-2, `..._session91_054efcc/call{1,3}_probe*.txt`):
+// - LSTM, 1 column, 12: H=1536 (11.6) 6.0 -> 6.3, H=1664 (12.6) 7.6 -> 6.5. 4 columns, 9: H=1152
+//   (8.7) 6.9 -> 7.4, H=1280 (9.7) 7.9 -> 7.6. 8 columns, 8: H=1024 (7.8) 8.2 -> 8.8, H=1152
+//   11.4 -> 9.5.
+// - GRU (a slot of 4 idle in every task at B=1), 1 column, 17: H=2048 (15.5) 6.1 -> 6.8, H=2304
+//   (17.5) 7.7 -> 7.1. 4 and 8 columns, 10: H=1280 (9.7) B=4 6.8 -> 7.3, B=8 8.7 -> 9.3; H=1536
+//   (11.6) 8.2 -> 7.9, 12.7 -> 10.0.
+// - RNN, 1 column, 40: H=4608 (34.9) 6.8 -> 7.0, H=5280 (40) 7.6 -> 7.4. 4 columns, 18: H=2304
+//   (17.5) 7.25 -> 7.27, H=2432 (18.4) 7.4 -> 7.2 (loop steps 8.0 -> 7.6). 8 columns, 5: H=640
+//   (4.8) 6.57 -> 6.60, H=768 (5.8) 6.9 -> 6.9 (loop steps 7.6 -> 7.4), H=960 (7.3) loop steps
+//   8.4 -> 7.8.
 template <Cell C>
 constexpr int tasks_edge(int cols) {
-  if (gates_of(C) > 1) return C == Cell::kGru && cols == 1 ? 28 : 15;
-  return cols >= 8 ? 8 : cols >= 4 ? 21 : 40;
+  if (C == Cell::kLstm) return cols >= 8 ? 8 : cols >= 4 ? 9 : 12;
+  if (C == Cell::kGru) return cols == 1 ? 17 : 10;
+  return cols >= 8 ? 5 : cols >= 4 ? 18 : 40;
 }
 
 // A staged kernel where its copy fits and (by default) where it wins:
 // - step_fwd_tasks from tasks_edge units per SM (before session 90 28 for every cell and B);
 // - else step_fwd_staged where it has at least two unit chunks per SM, or, with blocks of 4 or
-//   8 columns, 7/8 of a chunk per SM. Fp16 us per launch with stage_h's vector copy
-//   (step_kernel_probe, session 88 call 3), step_fwd -> staged: one-step B=1 LSTM H=4096 (512
-//   chunks) 16.4 -> 15.5, ReLU H=5760 (180) 8.1 -> 9.8, LSTM H=1024 (128) 4.8 -> 5.0; B=4 LSTM
-//   H=4096 34.1 -> 21.3, ReLU H=5760 18.0 -> 14.4, LSTM H=1024 6.5 -> 6.4, ReLU H=1152 (36
-//   chunks: 36 SMs busy) 5.2 -> 6.1; B=8 ReLU H=5760 38.5 -> 21.8, LSTM H=1024 9.2 -> 8.1, ReLU
-//   H=1152 8.4 -> 8.0; loop steps B=1 LSTM H=4096 18.7 -> 17.1, ReLU H=5760 9.3 -> 10.3; B=4
-//   LSTM H=1024 7.2 -> 7.0, ReLU H=1152 5.8 -> 6.6; B=8 LSTM H=1024 11.5 -> 9.8.
+//   8 columns, 7/8 to one chunk per SM (above one some SMs take two: LSTM H=1152 B=4, 144
+//   chunks of 8 units on 132 SMs, staged 9.2, step_fwd 6.9; session 91). Fp16 us per launch
+//   with stage_h's vector copy (step_kernel_probe, session 88 call 3), step_fwd -> staged:
+//   one-step B=1 LSTM H=4096 (512 chunks) 16.4 -> 15.5, ReLU H=5760 (180) 8.1 -> 9.8, LSTM
+//   H=1024 (128) 4.8 -> 5.0; B=4 LSTM H=4096 34.1 -> 21.3, ReLU H=5760 18.0 -> 14.4, LSTM
+//   H=1024 6.5 -> 6.4, ReLU H=1152 (36 chunks: 36 SMs busy) 5.2 -> 6.1; B=8 ReLU H=5760 38.5 ->
+//   21.8, LSTM H=1024 9.2 -> 8.1, ReLU H=1152 8.4 -> 8.0; loop steps B=1 LSTM H=4096 18.7 ->
+//   17.1, ReLU H=5760 9.3 -> 10.3; B=4 LSTM H=1024 7.2 -> 7.0, ReLU H=1152 5.8 -> 6.6; B=8 LSTM
+//   H=1024 11.5 -> 9.8.
 template <Cell C, DType D, bool kOneStep>
 StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const int cols = step_cols(p.B);
@@ -734,7 +742,8 @@ StepLaunch step_launch(const Params& p, const StepConfig& cfg) {
   const long long chunks = unit_chunks<kStagedUnits<C>>(p);
   if (cfg.sms > 0 && fits) {
     const bool tasks_win = p.H >= static_cast<long long>(tasks_edge<C>(cols)) * cfg.sms;
-    const bool staged_wins = chunks >= 2LL * cfg.sms || (cols >= 4 && 8 * chunks >= 7LL * cfg.sms);
+    const bool staged_wins =
+        chunks >= 2LL * cfg.sms || (cols >= 4 && 8 * chunks >= 7LL * cfg.sms && chunks <= cfg.sms);
     if (cfg.staged == 3 || (cfg.staged == 1 && tasks_win))
       return tasks_launch<C, D, kOneStep>(p, cfg.sms);
     if (cfg.staged == 2 || (cfg.staged == 1 && staged_wins))
