@@ -703,8 +703,8 @@ inline cudaError_t prepare_step(const StepLaunch& l, const StepConfig& cfg) {
 
 // Units per SM from which step_fwd_tasks beats step_fwd and step_fwd_staged, by cell and
 // columns per block. Fp16 us per launch, one-step, the faster of the other two -> tasks (loop
-// steps agree), by units per SM on 132 SMs (step_kernel_probe, session 90 call 1 and session 91
-// calls 1-2, `..._session91_054efcc/call{1,3}_probe*.txt`):
+// steps agree), by units per SM on 132 SMs (step_kernel_probe, session 90 call 1, session 91
+// calls 1 and 3, `..._session91_054efcc/call{1,3}_probe*.txt`):
 // - LSTM, 1 column, 12: H=1536 (11.6) 6.0 -> 6.3, H=1664 (12.6) 7.6 -> 6.5. 4 columns, 9: H=1152
 //   (8.7) 6.9 -> 7.4, H=1280 (9.7) 7.9 -> 7.6. 8 columns, 8: H=1024 (7.8) 8.2 -> 8.8, H=1152
 //   11.4 -> 9.5.
