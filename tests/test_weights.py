@@ -89,6 +89,28 @@ def test_bank_aware_order_reaches_the_lower_bound(period):
             assert conflicts(cols[order], period) == min(bound, full)
 
 
+def test_bank_aware_order_mixes_fallback_rows_and_ordered_rows():
+    # Rows whose columns all share one residue (the round-robin deal) beside uniform rows, each
+    # row placed by its own rule: every row keeps exactly its columns, and the uniform rows
+    # still have fewer conflicts than in column order.
+    rng = np.random.default_rng(7)
+    hidden, period = 320, 16
+    mask = rng.random((hidden, hidden)) < 0.3
+    mask[:, ::3] = False
+    mask[::period, ::3] = True  # dense column 3k: inputs 0, 16, 32, ... (one residue)
+    w = sp.SparseWeights.from_dense(mask.astype(np.float32), mask, bank_period=period)
+    rp, cols = np.asarray(w.row_ptr), np.asarray(w.col_idx)
+    before = after = 0
+    for r in range(hidden):
+        row = cols[rp[r]:rp[r + 1]]
+        np.testing.assert_array_equal(np.sort(row), np.flatnonzero(mask[:, r]))
+        if r % 3:
+            before += conflicts(np.sort(row), period)
+            after += conflicts(row, period)
+    assert after < 0.6 * before
+    np.testing.assert_array_equal(np.asarray(w.to_dense()), mask.astype(np.float32))
+
+
 def test_bank_aware_order_is_conflict_free_when_possible():
     # 64 nonzeros, 2 per residue mod 32: two groups of 32 with all-distinct residues exist.
     cols = np.concatenate([np.arange(0, 32), np.arange(32, 64)])
