@@ -81,12 +81,21 @@ def masks_from_zeros(params: PyTree, select: Callable = is_recurrent_kernel) -> 
 
 
 def _keep_top(scores: np.ndarray, keep: int) -> np.ndarray:
-    """Boolean mask keeping the ``keep`` largest scores (ties: lower flat index first)."""
+    """Boolean mask keeping the ``keep`` largest scores (ties: lower flat index first; NaN
+    scores last). A partition finds the threshold in linear time, then only the ties at it are
+    taken by index: the same mask as a stable sort, which took ~20 s on an H=4096 LSTM kernel."""
     flat = scores.reshape(-1)
-    mask = np.zeros(flat.shape, np.bool_)
-    if keep > 0:
-        order = np.argsort(-flat, kind="stable")
-        mask[order[:keep]] = True
+    if keep <= 0:
+        return np.zeros(scores.shape, np.bool_)
+    descending = -flat  # NaN stays NaN: last, as in a sort
+    threshold = np.partition(descending, keep - 1)[keep - 1]
+    if np.isnan(threshold):  # fewer than `keep` scores are numbers: all of them, then NaNs
+        mask = ~np.isnan(flat)
+        ties = np.flatnonzero(~mask)
+    else:
+        mask = descending < threshold
+        ties = np.flatnonzero(descending == threshold)
+    mask[ties[:keep - int(mask.sum())]] = True
     return mask.reshape(scores.shape)
 
 

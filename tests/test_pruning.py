@@ -48,6 +48,23 @@ def test_one_shot_keeps_largest_exact_count(density):
     assert all(abs(v - density) < 1.0 / H for v in report.values())
 
 
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_keep_top_matches_a_stable_sort(size):
+    # The kept set is the first `keep` of a stable descending sort: ties by lower flat index,
+    # NaN last, -inf (entries pruned before) just before NaN; every keep from 0 to all.
+    rng = np.random.default_rng(size)
+    for trial in range(20):
+        scores = rng.integers(0, 4, size).astype(np.float32)  # many ties
+        if trial % 2:
+            scores[rng.random(size) < 0.2] = np.nan
+        if trial % 3:
+            scores[rng.random(size) < 0.2] = -np.inf
+        for keep in sorted({0, 1, size // 3, size // 2, size - 1, size}):
+            want = np.zeros(size, bool)
+            want[np.argsort(-scores, kind="stable")[:keep]] = True
+            np.testing.assert_array_equal(pruning._keep_top(scores, keep), want)
+
+
 def test_global_scope_and_custom_select():
     params = lstm_params()
     params["cell"]["hi"]["kernel"] = params["cell"]["hi"]["kernel"] * 10  # one big gate
