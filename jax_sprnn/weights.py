@@ -93,10 +93,20 @@ class SparseWeights:
                 raise TypeError(f"mask must be a boolean array, got dtype {mask_np.dtype}")
             if mask_np.shape != shape:
                 raise ValueError(f"mask shape {mask_np.shape} differs from kernel shape {shape}")
-        col_idx, dense_col, row_ptr = packing.pack_mask(mask_np, gates, bank_period)
+        return cls.from_packed_mask(kernel, packing.pack_mask(mask_np, gates, bank_period),
+                                    bank_period=bank_period)
+
+    @classmethod
+    def from_packed_mask(cls, kernel, packed, *,
+                         bank_period: int = packing.DEFAULT_BANK_PERIOD):
+        """The entries of ``kernel`` (H, G*H) at a mask packed before: ``packed`` is
+        ``packing.pack_mask(mask, G, bank_period)``'s output. A fixed mask packed once serves
+        every call (packing an H=4096 LSTM mask takes seconds); ``kernel`` may be traced."""
+        hidden = np.shape(kernel)[0]
+        col_idx, dense_col, row_ptr = packed
         values = jnp.asarray(kernel)[col_idx, dense_col]
         return cls(values, jnp.asarray(col_idx), jnp.asarray(row_ptr), hidden_size=hidden,
-                   gates=gates, bank_period=bank_period)
+                   gates=np.shape(kernel)[1] // hidden, bank_period=bank_period)
 
     # -- properties ------------------------------------------------------------------------
     @property

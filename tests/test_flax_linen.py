@@ -8,6 +8,8 @@ import optax
 import pytest
 
 from flax_testing import LENGTHS, assert_close_valid, assert_tree_close, inputs, prune_recurrent
+import jax_sprnn as sp
+from jax_sprnn import packing
 from jax_sprnn.flax import SparseGRU, SparseLSTM, SparseSimpleRNN, StaticMask, from_flax_rnn
 
 H = 6
@@ -219,6 +221,27 @@ def test_masks_static_and_validated():
         lambda p, v: v + 100.0 * ~mask[:, :H]
         if p[-2].key == "hi" and p[-1].key == "kernel" else v, variables)
     np.testing.assert_allclose(layer.apply(noisy, x), layer.apply(variables, x), atol=1e-6)
+
+
+def test_a_fixed_mask_is_packed_once(monkeypatch):
+    # Packing a mask takes seconds at H=4096: init, eager and jitted calls, and another layer
+    # with the same StaticMask all reuse the first packing, with the same outputs.
+    calls = []
+    pack_mask = packing.pack_mask
+    monkeypatch.setattr(packing, "pack_mask", lambda *a, **k: calls.append(a) or pack_mask(*a, **k))
+    mask = np.random.default_rng(0).random((H, 4 * H)) < 0.3
+    layer, x = SparseLSTM(H, mask=mask), inputs()
+    variables = layer.init(jax.random.key(0), x)
+    eager = layer.apply(variables, x)
+    jitted = jax.jit(layer.apply)(variables, x)
+    again = SparseLSTM(H, mask=layer.mask).apply(variables, x)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(eager, again)
+    np.testing.assert_allclose(eager, jitted, atol=1e-6)
+    w = sp.SparseWeights.from_dense(np.ones(mask.shape, np.float32), mask)
+    cols, _, row_ptr = layer.mask.packed()
+    np.testing.assert_array_equal(cols, w.col_idx)
+    np.testing.assert_array_equal(row_ptr, w.row_ptr)
 
 
 @pytest.mark.parametrize("activation", ["tanh", "relu"])
