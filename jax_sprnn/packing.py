@@ -161,3 +161,20 @@ def validate_packed(col_idx: np.ndarray, row_ptr: np.ndarray, hidden: int, gates
         raise ValueError("row_ptr must start at 0, end at nnz and never decrease")
     if nnz and (col_idx.min() < 0 or col_idx.max() >= hidden):
         raise ValueError(f"col_idx out of range [0, {hidden})")
+
+
+def checked_mask_packing(packed, hidden: int, gates: int):
+    """``pack_mask``'s output as NumPy arrays, checked against a kernel of H = ``hidden`` and
+    G = ``gates``: a packing of another shape would gather wrong entries (JAX clamps indices)."""
+    try:
+        col_idx, dense_col, row_ptr = (np.asarray(a) for a in packed)
+    except (TypeError, ValueError):
+        raise TypeError("packed must be pack_mask's output, (col_idx, dense_col, row_ptr)") \
+            from None
+    validate_packed(col_idx, row_ptr, hidden, gates, col_idx.shape[0])
+    rows = np.repeat(np.arange(gates * hidden), np.diff(row_ptr))
+    if dense_col.shape != col_idx.shape or \
+            not np.array_equal(dense_col, packed_row_to_dense_column(rows, hidden, gates)):
+        raise ValueError(f"packed does not match a kernel of shape ({hidden}, {gates * hidden}): "
+                         "its dense columns differ from its rows' (pack the mask of this kernel)")
+    return col_idx, dense_col, row_ptr

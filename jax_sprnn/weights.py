@@ -19,6 +19,26 @@ def _concrete(x, what: str) -> np.ndarray:
     return np.asarray(x)
 
 
+def _check_bank_period(bank_period) -> None:
+    if isinstance(bank_period, (bool, np.bool_)) or \
+            not isinstance(bank_period, (int, np.integer)) or bank_period < 0:
+        raise ValueError(f"bank_period must be an integer >= 0, got {bank_period!r}")
+
+
+def _kernel_layout(kernel) -> tuple[int, int]:
+    """(H, G) of a recurrent kernel (H, G*H), or a clear error for another shape or dtype."""
+    shape = tuple(np.shape(kernel))
+    if len(shape) != 2 or shape[0] < 1 or shape[1] % shape[0] != 0:
+        raise ValueError(f"kernel must have shape (H, G*H) with H >= 1, got {shape}")
+    hidden, gates = shape[0], shape[1] // shape[0]
+    if gates not in packing.SUPPORTED_GATES:
+        raise ValueError(
+            f"kernel shape {shape} gives G={gates} gates; expected 1 (rnn), 4 (lstm) or 3 (gru)")
+    if not jnp.issubdtype(jnp.result_type(kernel), jnp.floating):
+        raise TypeError(f"kernel must be floating point, got {jnp.result_type(kernel)}")
+    return hidden, gates
+
+
 _LEAVES = ("values", "col_idx", "row_ptr")
 
 
@@ -69,18 +89,8 @@ class SparseWeights:
         ``mask`` must be a concrete boolean array of the kernel's shape. ``bank_period``: the
         bank-aware order's period (packing.bank_aware_order); 0 keeps column order.
         """
-        if isinstance(bank_period, (bool, np.bool_)) or \
-                not isinstance(bank_period, (int, np.integer)) or bank_period < 0:
-            raise ValueError(f"bank_period must be an integer >= 0, got {bank_period!r}")
-        shape = tuple(np.shape(kernel))
-        if len(shape) != 2 or shape[0] < 1 or shape[1] % shape[0] != 0:
-            raise ValueError(f"kernel must have shape (H, G*H) with H >= 1, got {shape}")
-        hidden, gates = shape[0], shape[1] // shape[0]
-        if gates not in packing.SUPPORTED_GATES:
-            raise ValueError(
-                f"kernel shape {shape} gives G={gates} gates; expected 1 (rnn), 4 (lstm) or 3 (gru)")
-        if not jnp.issubdtype(jnp.result_type(kernel), jnp.floating):
-            raise TypeError(f"kernel must be floating point, got {jnp.result_type(kernel)}")
+        _check_bank_period(bank_period)
+        _, gates = _kernel_layout(kernel)
         if mask is None:
             try:
                 mask_np = _concrete(kernel, "kernel (when mask is None)") != 0
@@ -91,8 +101,9 @@ class SparseWeights:
             mask_np = _concrete(mask, "mask")
             if mask_np.dtype != np.bool_:
                 raise TypeError(f"mask must be a boolean array, got dtype {mask_np.dtype}")
-            if mask_np.shape != shape:
-                raise ValueError(f"mask shape {mask_np.shape} differs from kernel shape {shape}")
+            if mask_np.shape != np.shape(kernel):
+                raise ValueError(f"mask shape {mask_np.shape} differs from kernel shape "
+                                 f"{tuple(np.shape(kernel))}")
         return cls.from_packed_mask(kernel, packing.pack_mask(mask_np, gates, bank_period),
                                     bank_period=bank_period)
 
@@ -100,13 +111,15 @@ class SparseWeights:
     def from_packed_mask(cls, kernel, packed, *,
                          bank_period: int = packing.DEFAULT_BANK_PERIOD):
         """The entries of ``kernel`` (H, G*H) at a mask packed before: ``packed`` is
-        ``packing.pack_mask(mask, G, bank_period)``'s output. A fixed mask packed once serves
-        every call (packing an H=4096 LSTM mask takes seconds); ``kernel`` may be traced."""
-        hidden = np.shape(kernel)[0]
-        col_idx, dense_col, row_ptr = packed
+        ``packing.pack_mask(mask, G, bank_period)``'s output, checked against the kernel's
+        shape. A fixed mask packed once serves every call (packing an H=4096 LSTM mask takes
+        seconds); ``kernel`` may be traced."""
+        _check_bank_period(bank_period)
+        hidden, gates = _kernel_layout(kernel)
+        col_idx, dense_col, row_ptr = packing.checked_mask_packing(packed, hidden, gates)
         values = jnp.asarray(kernel)[col_idx, dense_col]
         return cls(values, jnp.asarray(col_idx), jnp.asarray(row_ptr), hidden_size=hidden,
-                   gates=np.shape(kernel)[1] // hidden, bank_period=bank_period)
+                   gates=gates, bank_period=bank_period)
 
     # -- properties ------------------------------------------------------------------------
     @property

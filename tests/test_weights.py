@@ -31,6 +31,30 @@ def test_round_trip_and_layout(gates, density, hidden):
         np.testing.assert_array_equal(values[seg], kernel[col_idx[seg], column])
 
 
+def test_from_packed_mask_checks_the_packing_against_the_kernel():
+    rng = np.random.default_rng(11)
+    mask = oracle.random_mask(rng, 40, 4, 0.2)
+    kernel = rng.standard_normal(mask.shape).astype(np.float32)
+    packed = packing.pack_mask(mask, 4)
+    w, want = sp.SparseWeights.from_packed_mask(kernel, packed), \
+        sp.SparseWeights.from_dense(kernel, mask)
+    for name in ("values", "col_idx", "row_ptr"):
+        np.testing.assert_array_equal(getattr(w, name), getattr(want, name))
+    col_idx, dense_col, row_ptr = packed
+    wrong = {
+        "another H": packing.pack_mask(oracle.random_mask(rng, 39, 4, 0.2), 4),
+        "another G": packing.pack_mask(oracle.random_mask(rng, 40, 3, 0.2), 3),
+        "dense columns of other rows": (col_idx, np.roll(dense_col, 1), row_ptr),
+        "a short dense_col": (col_idx, dense_col[:-1], row_ptr),
+    }
+    for what, bad in wrong.items():
+        with pytest.raises(ValueError):
+            sp.SparseWeights.from_packed_mask(kernel, bad)
+            pytest.fail(what)
+    with pytest.raises(TypeError, match="pack_mask's output"):
+        sp.SparseWeights.from_packed_mask(kernel, (col_idx, row_ptr))
+
+
 def test_mask_none_uses_nonzeros_and_explicit_mask_keeps_zeros():
     kernel = np.array([[0.0, 2.0], [3.0, 0.0]], np.float32)
     assert sp.SparseWeights.from_dense(kernel).nnz == 2
