@@ -104,8 +104,8 @@ class SparseWeights:
             if mask_np.shape != np.shape(kernel):
                 raise ValueError(f"mask shape {mask_np.shape} differs from kernel shape "
                                  f"{tuple(np.shape(kernel))}")
-        return cls.from_packed_mask(kernel, packing.pack_mask(mask_np, gates, bank_period),
-                                    bank_period=bank_period)
+        return cls._from_packing(kernel, packing.pack_mask(mask_np, gates, bank_period),
+                                 bank_period=bank_period)
 
     @classmethod
     def from_packed_mask(cls, kernel, packed, *,
@@ -116,10 +116,18 @@ class SparseWeights:
         seconds); ``kernel`` may be traced."""
         _check_bank_period(bank_period)
         hidden, gates = _kernel_layout(kernel)
-        col_idx, dense_col, row_ptr = packing.checked_mask_packing(packed, hidden, gates)
+        return cls._from_packing(
+            kernel, packing.checked_mask_packing(packed, hidden, gates), bank_period=bank_period)
+
+    @classmethod
+    def _from_packing(cls, kernel, packed, *, bank_period: int = packing.DEFAULT_BANK_PERIOD):
+        """``from_packed_mask`` without its checks, for callers that made ``packed`` from a
+        mask of the kernel's shape themselves (``from_dense``, the Flax layers' every trace)."""
+        col_idx, dense_col, row_ptr = packed
         values = jnp.asarray(kernel)[col_idx, dense_col]
+        hidden = np.shape(kernel)[0]
         return cls(values, jnp.asarray(col_idx), jnp.asarray(row_ptr), hidden_size=hidden,
-                   gates=gates, bank_period=bank_period)
+                   gates=np.shape(kernel)[1] // hidden, bank_period=bank_period)
 
     # -- properties ------------------------------------------------------------------------
     @property

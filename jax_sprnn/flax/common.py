@@ -286,7 +286,10 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
                              f"{layout.batch_shape}, got {lengths.shape}")
         lengths = lengths.reshape((batch,))
 
-    w = sp.SparseWeights.from_packed_mask(kernel_h.astype(dtype), mask.packed())
+    if mask.shape != kernel_h.shape:  # then the mask's own packing fits the kernel
+        raise ValueError(f"the layer's mask has shape {mask.shape}, its recurrent kernel "
+                         f"{kernel_h.shape}: variables of another layer size?")
+    w = sp.SparseWeights._from_packing(kernel_h.astype(dtype), mask.packed())
     kwargs = dict(seq_lengths=lengths, reverse=reverse, implementation=implementation)
     if cell == "lstm":
         ys, carry = sp.lstm(xp, carry, w, **kwargs)
