@@ -15,8 +15,8 @@
 # verify: the GPU kernel tests and the command-buffer test (TEST_WORKERS=14 pytest-xdist
 #   workers), then bench_gpu.py
 #   $BENCH_ARGS (--targets; none = tests only). Exits non-zero when a test fails or the tests are
-#   cut by TEST_TIMEOUT (default 470 s). The whole file needs ~770 s (session 92: halves of 422
-#   and 346 s), more than a 600-s call leaves after the build (90-140 s): TEST_SHARD=1/2, then
+#   cut by TEST_TIMEOUT (default 470 s). The whole file needs ~660 s (session 93: halves of 351
+#   and 304 s), more than a 600-s call leaves after the build (90-140 s): TEST_SHARD=1/2, then
 #   2/2 in a second call (on a warm machine: the build is kept).
 # timing: bench_gpu.py $BENCH_ARGS only, e.g. BENCH_ARGS="--targets --tune --quick", cut after
 #   BENCH_TIMEOUT (default 400) s; a benchmark cut by its limit ends its log with "CUT by".
