@@ -90,7 +90,7 @@ class SparseWeights:
         bank-aware order's period (packing.bank_aware_order); 0 keeps column order.
         """
         _check_bank_period(bank_period)
-        _, gates = _kernel_layout(kernel)
+        hidden, gates = _kernel_layout(kernel)
         if mask is None:
             try:
                 mask_np = _concrete(kernel, "kernel (when mask is None)") != 0
@@ -101,9 +101,9 @@ class SparseWeights:
             mask_np = _concrete(mask, "mask")
             if mask_np.dtype != np.bool_:
                 raise TypeError(f"mask must be a boolean array, got dtype {mask_np.dtype}")
-            if mask_np.shape != np.shape(kernel):
+            if mask_np.shape != (hidden, gates * hidden):
                 raise ValueError(f"mask shape {mask_np.shape} differs from kernel shape "
-                                 f"{tuple(np.shape(kernel))}")
+                                 f"{(hidden, gates * hidden)}")
         return cls._from_packing(kernel, packing.pack_mask(mask_np, gates, bank_period),
                                  bank_period=bank_period)
 
