@@ -2,7 +2,8 @@
 
 Why here: the JAX pruning library (google-research/jaxpruner) does not run on current JAX
 (0.10+); this module covers what a sparse RNN needs, on plain parameter trees (linen
-``variables['params']``, or ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` for nnx).
+``variables['params']``, or ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` for nnx; masks
+apply by leaf path, so they also fit the ``nnx.State`` updates of an ``nnx.Optimizer``).
 
 - A *mask tree* has the structure of the parameter tree, one boolean array per leaf (True =
   kept). Leaves that are not pruned get an all-True mask.
@@ -187,9 +188,26 @@ def magnitude_masks(params: PyTree, density: float, *, select: Callable = is_rec
 
 
 def apply_masks(params: PyTree, masks: PyTree) -> PyTree:
-    """Zeroes the pruned entries (works on traced params; masks may be NumPy or JAX)."""
-    return jax.tree_util.tree_map(
-        lambda x, m: jnp.where(m, x, jnp.zeros((), jnp.result_type(x))), params, masks)
+    """Zeroes the pruned entries (works on traced params; masks may be NumPy or JAX).
+
+    Leaves are matched by path, so the two trees may be of different containers with the same
+    names: an ``nnx.State`` (what ``nnx.Optimizer`` passes as updates) and its
+    ``nnx.to_pure_dict``. Every leaf of ``params`` needs a mask of its shape.
+    """
+    by_path = {path_names(p): m for p, m in jax.tree_util.tree_flatten_with_path(masks)[0]}
+
+    def masked(path, x):
+        names = path_names(path)
+        if names not in by_path:
+            raise ValueError(f"no mask for the parameter {'/'.join(names)}: the mask tree's "
+                             "paths must match the parameter tree's")
+        mask = by_path[names]
+        if np.shape(mask) != np.shape(x):  # jnp.where would broadcast, silently
+            raise ValueError(f"the mask of {'/'.join(names)} has shape {np.shape(mask)}, "
+                             f"the parameter {np.shape(x)}")
+        return jnp.where(mask, x, jnp.zeros((), jnp.result_type(x)))
+
+    return jax.tree_util.tree_map_with_path(masked, params)
 
 
 def prune(params: PyTree, density: float, **kwargs) -> tuple[PyTree, PyTree]:

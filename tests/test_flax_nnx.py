@@ -166,6 +166,60 @@ def test_constructor_switches_must_be_bools():
         SparseGRU(I, H, recurrent_bias="False", rngs=nnx.Rngs(0))
 
 
+def test_residual_layer_follows_a_new_mask():
+    """Re-pruning sets layer.mask; the residual layer built its pattern (mask + diagonal) once
+    and kept running the old one."""
+    layer = SparseSimpleRNN(I, H, residual=True, density=0.3, rngs=nnx.Rngs(0))
+    new = ~layer.mask.array  # every entry outside the old pattern
+    layer.mask = StaticMask(new)
+    fresh = SparseSimpleRNN(I, H, residual=True, mask=new, rngs=nnx.Rngs(0))
+    nnx.update(fresh, nnx.state(layer, nnx.Param))
+    x = inputs(features=I)
+    np.testing.assert_array_equal(layer(x), fresh(x))
+    reference = SparseSimpleRNN(I, H, residual=True, mask=new, rngs=nnx.Rngs(0),
+                                implementation="reference")
+    nnx.update(reference, nnx.state(layer, nnx.Param))
+    np.testing.assert_allclose(layer(x), reference(x), atol=1e-5)
+
+
+def test_half_precision_carry_keeps_its_dtype():
+    layer = SparseGRU(I, H, density=0.5, dtype=jnp.bfloat16, return_carry=True,
+                      rngs=nnx.Rngs(0))
+    x = inputs(features=I)
+    carry, y = layer(x)  # default carry: initialize_carry's, in param_dtype (as nnx.RNN)
+    assert y.dtype == jnp.bfloat16 and carry.dtype == jnp.float32
+    carry2, _ = layer(x, initial_carry=carry.astype(jnp.bfloat16))
+    assert carry2.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(carry2, np.float32), np.asarray(
+        layer(x, initial_carry=carry)[0]))
+
+
+def test_pure_dict_masks_in_an_nnx_optimizer():
+    """docs/FLAX.md's route: masks from nnx.to_pure_dict, keep_pattern in an nnx.Optimizer (whose
+    updates are an nnx.State): it raised a pytree structure error."""
+    from jax_sprnn import pruning
+    layer = SparseLSTM(I, H, rngs=nnx.Rngs(0))
+    pruned, masks = pruning.prune(nnx.to_pure_dict(nnx.state(layer, nnx.Param)), 0.3)
+    state = nnx.state(layer, nnx.Param)
+    nnx.replace_by_pure_dict(state, pruned)
+    nnx.update(layer, state)
+    optimizer = nnx.Optimizer(layer, optax.chain(optax.adamw(1e-2, weight_decay=0.5),
+                                                 pruning.keep_pattern(masks)), wrt=nnx.Param)
+    x = inputs(features=I)
+
+    @nnx.jit
+    def step(model, optimizer):
+        optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+    before = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    for _ in range(3):
+        step(layer, optimizer)
+    after = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    kernel, mask = np.asarray(after["dense_h"]["kernel"]), masks["dense_h"]["kernel"]
+    assert np.all(kernel[~mask] == 0)
+    assert not np.allclose(kernel[mask], np.asarray(before["dense_h"]["kernel"])[mask])
+
+
 def test_nnx_mask_errors():
     with pytest.raises(ValueError, match="shape"):
         SparseLSTM(I, H, mask=np.ones((H, H), bool), rngs=nnx.Rngs(0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -42,6 +43,14 @@ class StaticMask:
             mask = mask.array
         if isinstance(mask, jax.core.Tracer):
             raise TypeError("a sparsity mask must be concrete (NumPy), not a traced value")
+        if isinstance(mask, Mapping):  # e.g. a jax_sprnn.pruning mask tree
+            raise TypeError(
+                "a layer's sparsity mask is one boolean array (H, G*H) over the concatenated "
+                "recurrent kernel, got a mapping; for a jax_sprnn.pruning mask tree, "
+                "concatenate the recurrent gates' kernel masks in gate order (np.concatenate("
+                "[tree['cell'][n]['kernel'] for n in ('hi', 'hf', 'hg', 'ho')], -1) for an "
+                "LSTM), or convert the Flax model with from_flax_rnn / from_nnx_rnn, which take "
+                "mask trees")
         array = np.array(mask)  # a private copy
         if array.dtype != np.bool_:
             raise TypeError(f"a sparsity mask must be boolean, got dtype {array.dtype}")
@@ -117,7 +126,8 @@ def _check_hidden(hidden) -> None:
 
 
 def random_mask(hidden: int, gates: int, density: float, seed: int = 0) -> StaticMask:
-    """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel."""
+    """A random pattern keeping ``round(density * size)`` entries of an ``(H, G*H)`` kernel (at
+    least one when ``density > 0``)."""
     _check_hidden(hidden)
     if gates not in GATES.values():
         raise ValueError(f"gates must be 1 (rnn), 4 (lstm) or 3 (gru), got {gates!r}")
@@ -146,7 +156,26 @@ def layer_mask(mask, density, seed, hidden: int, gates: int) -> StaticMask:
         return as_static_mask(mask, hidden, gates)
     if density is not None:
         return random_mask(hidden, gates, density, seed)
+    return _dense_mask(int(hidden), int(gates))
+
+
+# The cached masks below keep their packing (StaticMask.packed): a new StaticMask per call would
+# re-pack the pattern at every eager call and trace (seconds at H=4096).
+@functools.lru_cache(maxsize=8)  # a dense LSTM H=4096 mask packs into ~0.5 GB
+def _dense_mask(hidden: int, gates: int) -> StaticMask:
     return StaticMask(np.ones((hidden, gates * hidden), np.bool_))
+
+
+@functools.lru_cache(maxsize=64)
+def _with_diagonal(mask: StaticMask) -> StaticMask:
+    return StaticMask(mask.array | np.eye(mask.shape[0], dtype=np.bool_))
+
+
+def residual_kernel(kernel_h, mask: StaticMask):
+    """A residual simple cell's ``h W + h`` as one kernel: the identity folded into the kept
+    entries, the diagonal into the pattern. Returns ``(kernel, mask)``."""
+    kept = jnp.where(mask.array, kernel_h, jnp.zeros((), kernel_h.dtype))
+    return kept + jnp.eye(mask.shape[0], dtype=kernel_h.dtype), _with_diagonal(mask)
 
 
 def check_cell(cell: str, activation: str = "tanh") -> None:
@@ -255,7 +284,9 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
     and bias_i ``(G*H,)`` (or None) form the input projection, done as one matmul over all
     steps; kernel_h ``(H, G*H)`` is packed with ``mask`` (gradients reach its kept entries).
 
-    Returns ``(carry, outputs)``. Differences from ``nn.RNN``: outputs at padding positions
+    Returns ``(carry, outputs)``: outputs in the compute dtype, the carry in the dtype of
+    ``initial_carry`` (so a loop over calls keeps one carry type, as with Flax's LSTM and GRU
+    cells), else in the compute dtype. Differences from ``nn.RNN``: outputs at padding positions
     (``t >= seq_lengths[b]``) are zeros, and a sequence of length 0 returns its initial carry.
     """
     check_cell(cell, activation)
@@ -275,7 +306,9 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
 
     if initial_carry is None:
         carry = zero_carry(cell, (batch,), hidden, dtype)
+        carry_dtypes = jax.tree_util.tree_map(lambda c: c.dtype, carry)
     else:
+        carry_dtypes = jax.tree_util.tree_map(lambda c: jnp.asarray(c).dtype, initial_carry)
         carry = jax.tree_util.tree_map(
             lambda c: _flat_batch(jnp.asarray(c), layout).astype(dtype), initial_carry)
     lengths = None
@@ -302,7 +335,8 @@ def run_layer(cell: str, inputs, kernel_i, bias_i, kernel_h, mask: StaticMask, *
 
     if reverse and not keep_order:  # Flax returns a reversed pass in processing order
         ys = flip_sequences(ys, lengths, time_axis=0)
-    carry = jax.tree_util.tree_map(lambda c: _unflat_batch(c, layout), carry)
+    carry = jax.tree_util.tree_map(lambda c, d: _unflat_batch(c, layout).astype(d), carry,
+                                   carry_dtypes)
     return carry, from_time_major(ys, layout)
 
 

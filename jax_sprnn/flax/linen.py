@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 from flax.linen import initializers
 from flax.linen.linear import default_kernel_init
@@ -229,9 +228,7 @@ class SparseSimpleRNN(_SparseRNNBase):
     def _kernel_and_mask(self, kernel_h, mask: StaticMask):
         if not check_flag("residual", self.residual):
             return kernel_h, mask
-        eye = np.eye(self.features, dtype=np.bool_)
-        kept = jnp.where(mask.array, kernel_h, jnp.zeros((), kernel_h.dtype))
-        return kept + jnp.eye(self.features, dtype=kernel_h.dtype), StaticMask(mask.array | eye)
+        return common.residual_kernel(kernel_h, mask)
 
 
 LAYERS = {"lstm": SparseLSTM, "gru": SparseGRU, "rnn": SparseSimpleRNN}

@@ -22,14 +22,12 @@ Example::
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 from flax.nnx.nn.recurrent import modified_orthogonal
 
 from jax_sprnn.flax import common
-from jax_sprnn.flax.common import StaticMask
 from jax_sprnn.validation import check_flag
 
 
@@ -109,7 +107,7 @@ class _SparseRNNBase(nnx.Module):
         """
         options = common.call_options(self, return_carry=return_carry, time_major=time_major,
                                       reverse=reverse, keep_order=keep_order)
-        if initial_carry is None and self.carry_init is not None:
+        if initial_carry is None:  # as nnx.RNN: the cell's carry, in param_dtype
             initial_carry = self.initialize_carry(
                 common.step_shape(inputs, options["time_major"]), rngs)
         return common.run_module(self, inputs, self._fused(), options, initial_carry, seq_lengths)
@@ -181,18 +179,14 @@ class SparseSimpleRNN(_SparseRNNBase):
         self.activation = activation
         self.residual = check_flag("residual", residual)
         super().__init__(in_features, hidden_features, **kwargs)
-        self._residual_mask = (StaticMask(self.mask.array | np.eye(hidden_features, dtype=bool))
-                               if self.residual else None)
 
     def _activation(self) -> str:
         return self.activation
 
     def _fused(self):
         kernel_i, bias_i, kernel_h, _, mask = super()._fused()
-        if self.residual:
-            kept = jnp.where(mask.array, kernel_h, jnp.zeros((), kernel_h.dtype))
-            kernel_h = kept + jnp.eye(self.hidden_features, dtype=kernel_h.dtype)
-            mask = self._residual_mask
+        if self.residual:  # from the current mask: a re-pruned layer sets a new one
+            kernel_h, mask = common.residual_kernel(kernel_h, mask)
         return kernel_i, bias_i, kernel_h, None, mask
 
 
