@@ -161,6 +161,21 @@ def test_int64_pattern_under_x64():
         np.testing.assert_array_equal(sp.rnn(xp, f32(B, H), w64)[0], expected)
 
 
+def test_traced_wide_lengths_clamp_instead_of_wrapping():
+    """Traced lengths are clamped to [0, T]; int64 ones past 2**31 wrapped in the int32 cast
+    (2**32 + 1 ran one step, 2**31 none)."""
+    w = weights()
+    rng = np.random.default_rng(2)
+    xp, h0 = rng.standard_normal((T, B, H)).astype(np.float32), f32(B, H)
+    full = sp.rnn(xp, h0, w)[1]
+    with jax.enable_x64(True):
+        final = jax.jit(lambda lengths: sp.rnn(xp, h0, w, seq_lengths=lengths)[1])
+        for big in (2**32 + 1, 2**31):
+            lengths = np.full(B, big, np.int64)
+            np.testing.assert_array_equal(final(lengths), full)
+        np.testing.assert_array_equal(final(np.full(B, -2**40, np.int64)), h0)
+
+
 def test_activation_and_implementation():
     with pytest.raises(ValueError, match="activation"):
         sp.rnn(f32(T, B, H), f32(B, H), weights(), activation="gelu")

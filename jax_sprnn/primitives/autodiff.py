@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from jax_sprnn.primitives import lowering  # noqa: F401 (registers the lowerings)
+from jax_sprnn.primitives import manual_axes
 from jax_sprnn.primitives.recurrence import CELLS, backward_p, forward_p
 
 DEFAULT_VARIANT = -1
@@ -74,5 +75,8 @@ def sparse_recurrence(cell, xp, carry, w, lengths, b_hn=None, *, reverse=False, 
     """Runs the validated recurrence through the primitives. Returns (ys, carry_T)."""
     # The handlers take int32 patterns; hand-built weights may hold int64 (x64) or other ints.
     col_idx, row_ptr = (jnp.asarray(a, jnp.int32) for a in (w.col_idx, w.row_ptr))
-    return _recurrence(cell, bool(reverse), int(activation), xp, lengths, w.values, col_idx,
+    # Inside shard_map: results are typed by xp's manual axes, so every float operand must vary
+    # over them too (outside the custom VJP, so replicated weights' gradients get their psum).
+    xp, values, b_hn, *carry = manual_axes.vary_together(xp, w.values, b_hn, *carry)
+    return _recurrence(cell, bool(reverse), int(activation), xp, lengths, values, col_idx,
                        row_ptr, tuple(carry), b_hn)

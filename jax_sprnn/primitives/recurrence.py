@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.interpreters import batching, xla
 
+from jax_sprnn.primitives.manual_axes import result_aval
+
 TIME, BATCH, SHARED, GROUPED = "time", "batch", "shared", "grouped"
 WEIGHTS = (SHARED, SHARED, SHARED)  # values, col_idx, row_ptr
 
@@ -65,8 +67,8 @@ def _forward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, *
     steps, batch, _ = xp.shape
     hidden = rest[0].shape[-1]
     n_carry = len(CELLS[cell].carry)
-    seq = jax.core.ShapedArray((steps, batch, hidden), xp.dtype)
-    state = jax.core.ShapedArray((batch, hidden), xp.dtype)
+    seq = result_aval(xp, (steps, batch, hidden), xp.dtype)
+    state = result_aval(xp, (batch, hidden), xp.dtype)
     return [seq] + [state] * n_carry + [seq] * CELLS[cell].cell_states
 
 
@@ -82,12 +84,12 @@ backward_p.multiple_results = True
 def _backward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, groups, **_):
     spec = CELLS[cell]
     carry = rest[:len(spec.carry)]
-    outs = [jax.core.ShapedArray(xp.shape, xp.dtype),
-            jax.core.ShapedArray((groups, values.shape[0]), values.dtype)]
-    outs += [jax.core.ShapedArray(c.shape, c.dtype) for c in carry]
+    outs = [result_aval(xp, xp.shape, xp.dtype),
+            result_aval(xp, (groups, values.shape[0]), values.dtype)]
+    outs += [result_aval(xp, c.shape, c.dtype) for c in carry]
     if spec.has_b_hn:
         b_hn = rest[len(spec.carry)]
-        outs.append(jax.core.ShapedArray((groups, b_hn.shape[0]), b_hn.dtype))
+        outs.append(result_aval(xp, (groups, b_hn.shape[0]), b_hn.dtype))
     return outs
 
 

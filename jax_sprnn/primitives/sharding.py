@@ -57,7 +57,9 @@ def _partitioned_function(primitive, params_items, in_ndims, out_ndims):
         return primitive.bind(*operands, local=True, **params)
 
     def partition(mesh, arg_shapes, result_shape):
-        spec = arg_shapes[0].sharding.spec  # xp / (T, B, ...): take its batch axis
+        # xp / (T, B, ...): take its batch axis. A sharding without a spec (a GSPMDSharding,
+        # e.g. inside a partially manual shard_map) keeps the batch whole.
+        spec = getattr(arg_shapes[0].sharding, "spec", ())
         batch_axes = spec[1] if len(spec) > 1 else None
         if params.get("groups", 1) > 1:
             batch_axes = None  # per-instance weight gradients: keep the batch whole
