@@ -47,6 +47,15 @@ def test_matches_nnx_rnn_on_dense_pattern(kind, time_major):
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_same_rngs_draw_the_nnx_cells_parameters(kind):
+    """SparseSimpleRNN drew other parameters than nnx.SimpleCell (another recurrent init, the
+    Linear layers made in the other order); every layer now draws its cell's."""
+    ours = nnx.to_pure_dict(nnx.state(LAYERS[kind](I, H, rngs=nnx.Rngs(7)), nnx.Param))
+    theirs = nnx.to_pure_dict(nnx.state(CELLS[kind](I, H, rngs=nnx.Rngs(7)), nnx.Param))
+    assert_tree_close(ours, theirs, atol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_zero_timesteps_like_nnx_rnn(kind):
     rnn = nnx.RNN(CELLS[kind](I, H, rngs=nnx.Rngs(0)), return_carry=True)
     sparse = from_nnx_rnn(rnn)

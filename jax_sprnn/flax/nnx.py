@@ -37,11 +37,14 @@ class _SparseRNNBase(nnx.Module):
     cell_type = ""
     input_bias = True
     recurrent_bias = False
+    # The matching nnx cell's defaults: its recurrent init and which Linear it makes first.
+    default_recurrent_init = staticmethod(modified_orthogonal)
+    recurrent_first = False
 
     def __init__(self, in_features: int, hidden_features: int, *, mask=None,
                  density: float | None = None, mask_seed: int = 0, time_major: bool = False,
                  return_carry: bool = False, reverse: bool = False, keep_order: bool = False,
-                 kernel_init=default_kernel_init, recurrent_kernel_init=modified_orthogonal,
+                 kernel_init=default_kernel_init, recurrent_kernel_init=None,
                  bias_init=initializers.zeros_init(), dtype=None, param_dtype=jnp.float32,
                  carry_init=None, implementation: str = "auto", rngs: nnx.Rngs):
         gates = common.GATES[self.cell_type]
@@ -56,14 +59,23 @@ class _SparseRNNBase(nnx.Module):
         self.param_dtype = param_dtype
         self.carry_init = carry_init
         self.implementation = implementation
-        self.dense_i = nnx.Linear(in_features, gates * hidden_features,
-                                  use_bias=self.input_bias, kernel_init=kernel_init,
-                                  bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)
-        self.dense_h = nnx.Linear(hidden_features, gates * hidden_features,
-                                  use_bias=self.recurrent_bias,
-                                  kernel_init=recurrent_kernel_init, bias_init=bias_init,
-                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if recurrent_kernel_init is None:
+            recurrent_kernel_init = self.default_recurrent_init
+        make_i = lambda: nnx.Linear(  # noqa: E731
+            in_features, gates * hidden_features, use_bias=self.input_bias,
+            kernel_init=kernel_init, bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
+            rngs=rngs)
+        make_h = lambda: nnx.Linear(  # noqa: E731
+            hidden_features, gates * hidden_features, use_bias=self.recurrent_bias,
+            kernel_init=recurrent_kernel_init, bias_init=bias_init, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
+        # In the matching nnx cell's order, so one Rngs draws the cell's own parameters.
+        if self.recurrent_first:
+            self.dense_h = make_h()
+            self.dense_i = make_i()
+        else:
+            self.dense_i = make_i()
+            self.dense_h = make_h()
 
     # -- hooks ---------------------------------------------------------------------------------
     def _activation(self) -> str:
@@ -124,7 +136,9 @@ class SparseLSTM(_SparseRNNBase):
         neither, the layer is dense.
       time_major, return_carry, reverse, keep_order: as ``nnx.RNN``.
       kernel_init, recurrent_kernel_init, bias_init, dtype, param_dtype, carry_init: as the
-        nnx cells. ``dense_i`` has no bias, ``dense_h`` has one (as OptimizedLSTMCell).
+        nnx cells (``recurrent_kernel_init=None``: the matching cell's default), so the same
+        ``Rngs`` draw the cell's own parameters. ``dense_i`` has no bias, ``dense_h`` has one
+        (as OptimizedLSTMCell).
       implementation: "auto" | "kernel" | "reference", passed to :func:`jax_sprnn.lstm`.
       rngs: ``nnx.Rngs`` for parameter initialization.
     """
@@ -172,6 +186,8 @@ class SparseSimpleRNN(_SparseRNNBase):
     """
 
     cell_type = "rnn"
+    default_recurrent_init = staticmethod(initializers.orthogonal())
+    recurrent_first = True
 
     def __init__(self, in_features: int, hidden_features: int, *, activation: str = "tanh",
                  residual: bool = False, **kwargs):
