@@ -215,10 +215,9 @@ def test_apply_masks_matches_leaves_by_path_and_checks_shapes():
     params = lstm_params()
     pruned, masks = pruning.prune(params, 0.3)
     reordered = {"cell": dict(reversed(list(masks["cell"].items())))}  # same paths, other order
-    assert_tree_equal = lambda a, b: all(  # noqa: E731
-        np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a),
-                                             jax.tree_util.tree_leaves(b)))
-    assert assert_tree_equal(pruning.apply_masks(params, reordered), pruned)
+    for got, want in zip(jax.tree_util.tree_leaves(pruning.apply_masks(params, reordered)),
+                         jax.tree_util.tree_leaves(pruned)):
+        np.testing.assert_array_equal(got, want)
     bad = jax.tree_util.tree_map(lambda m: m[:1], masks)  # would broadcast in jnp.where
     with pytest.raises(ValueError, match=r"the mask of cell/\w+/\w+ has shape \(1,\)"):
         pruning.apply_masks(params, bad)
