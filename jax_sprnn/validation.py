@@ -129,9 +129,9 @@ def check_lengths(seq_lengths, steps: int, batch: int):
         if values.size and (values.min() < 0 or values.max() > steps):
             raise ValueError(f"seq_lengths must lie in [0, T={steps}], got values in "
                              f"[{values.min()}, {values.max()}]")
-    # Traced lengths cannot be checked here; the kernels clamp them to [0, T]. Wider integers
-    # (int64 under x64, uint32) are clamped before the cast, which would wrap them.
+    # Traced lengths cannot be checked here; the kernels clamp them to [0, T]. Integers past
+    # int32's range (int64 under x64, uint32) are clamped first: the cast would wrap them.
     seq_lengths = jnp.asarray(seq_lengths)
-    if jnp.iinfo(seq_lengths.dtype).bits > 32 or seq_lengths.dtype == jnp.uint32:
+    if jnp.iinfo(seq_lengths.dtype).max > jnp.iinfo(jnp.int32).max:
         seq_lengths = jnp.clip(seq_lengths, 0, steps)
     return seq_lengths.astype(jnp.int32)
