@@ -29,7 +29,7 @@ def cell_step(cell: str, activation: int, carry, x, hw, b_hn):
         hr, hz, hn = jnp.split(hw, 3, axis=-1)
         r = jax.nn.sigmoid(xr + hr)
         z = jax.nn.sigmoid(xz + hz)
-        n = jnp.tanh(xn + r * (hn + b_hn))
+        n = jnp.tanh(xn + r * (hn + jnp.broadcast_to(b_hn, hn.shape)))
         return ((1.0 - z) * n + z * h,)
     raise ValueError(f"unknown cell {cell!r}")
 

@@ -14,6 +14,9 @@ import pytest  # noqa: E402
 # References (Flax's dense cells, jnp.dot) must be exact float32 on GPUs too, where XLA's default
 # matmul precision is TF32: seen as 2e-5 differences against Flax's LSTM on the H200.
 jax.config.update("jax_default_matmul_precision", "highest")
+# Users may turn implicit rank promotion into an error; the library must broadcast explicitly
+# (the Flax layers' input bias and the reference's b_hn did not), so every test runs that way.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def has_gpu() -> bool:

@@ -46,12 +46,16 @@ def test_matches_nnx_rnn_on_dense_pattern(kind, time_major):
     assert_tree_close(c, c_ref)
 
 
+@pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("kind", sorted(LAYERS))
-def test_same_rngs_draw_the_nnx_cells_parameters(kind):
+def test_same_rngs_draw_the_nnx_cells_parameters(kind, x64):
     """SparseSimpleRNN drew other parameters than nnx.SimpleCell (another recurrent init, the
-    Linear layers made in the other order); every layer now draws its cell's."""
-    ours = nnx.to_pure_dict(nnx.state(LAYERS[kind](I, H, rngs=nnx.Rngs(7)), nnx.Param))
-    theirs = nnx.to_pure_dict(nnx.state(CELLS[kind](I, H, rngs=nnx.Rngs(7)), nnx.Param))
+    Linear layers made in the other order), and with x64 on SparseLSTM and SparseGRU drew
+    their recurrent kernels in float64 (nnx.LSTMCell's init, not their cells'); every layer
+    now draws its cell's."""
+    with jax.enable_x64(x64):
+        ours = nnx.to_pure_dict(nnx.state(LAYERS[kind](I, H, rngs=nnx.Rngs(7)), nnx.Param))
+        theirs = nnx.to_pure_dict(nnx.state(CELLS[kind](I, H, rngs=nnx.Rngs(7)), nnx.Param))
     assert_tree_close(ours, theirs, atol=0)
 
 

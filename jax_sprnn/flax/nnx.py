@@ -21,11 +21,12 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
-from flax.nnx.nn.recurrent import modified_orthogonal
 
 from jax_sprnn.flax import common
 from jax_sprnn.validation import check_flag
@@ -37,8 +38,8 @@ class _SparseRNNBase(nnx.Module):
     cell_type = ""
     input_bias = True
     recurrent_bias = False
-    # The matching nnx cell's defaults: its recurrent init and which Linear it makes first.
-    default_recurrent_init = staticmethod(modified_orthogonal)
+    # The matching nnx cell (whose recurrent init is the default) and which Linear it makes first.
+    matching_cell: type[nnx.Module]
     recurrent_first = False
 
     def __init__(self, in_features: int, hidden_features: int, *, mask=None,
@@ -59,8 +60,9 @@ class _SparseRNNBase(nnx.Module):
         self.param_dtype = param_dtype
         self.carry_init = carry_init
         self.implementation = implementation
-        if recurrent_kernel_init is None:
-            recurrent_kernel_init = self.default_recurrent_init
+        if recurrent_kernel_init is None:  # read from the cell, so the draws match it in any mode
+            recurrent_kernel_init = inspect.signature(self.matching_cell.__init__).parameters[
+                "recurrent_kernel_init"].default
         make_i = lambda: nnx.Linear(  # noqa: E731
             in_features, gates * hidden_features, use_bias=self.input_bias,
             kernel_init=kernel_init, bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
@@ -144,6 +146,7 @@ class SparseLSTM(_SparseRNNBase):
     """
 
     cell_type = "lstm"
+    matching_cell = nnx.OptimizedLSTMCell
     input_bias = False
     recurrent_bias = True
 
@@ -158,6 +161,7 @@ class SparseGRU(_SparseRNNBase):
     """
 
     cell_type = "gru"
+    matching_cell = nnx.GRUCell
 
     def __init__(self, in_features: int, hidden_features: int, *, recurrent_bias: bool = False,
                  **kwargs):
@@ -186,7 +190,7 @@ class SparseSimpleRNN(_SparseRNNBase):
     """
 
     cell_type = "rnn"
-    default_recurrent_init = staticmethod(initializers.orthogonal())
+    matching_cell = nnx.SimpleCell
     recurrent_first = True
 
     def __init__(self, in_features: int, hidden_features: int, *, activation: str = "tanh",
