@@ -257,3 +257,47 @@ def test_calls_inside_loops_and_cond():
     for backwards in (False, True):
         ref, _ = oracle.run("lstm", xp, carry, p["kernel"], lengths, reverse=backwards)
         assert oracle.rel_error(pick(backwards), ref) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
+def test_strict_dtype_promotion(cell, dtype):
+    """README: the library casts explicitly, so it runs where users set
+    jax_numpy_dtype_promotion="strict" (forward and grad, kernel and reference, the Flax
+    layers with half-precision compute over float32 parameters), with the same results."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jax_sprnn.flax import SparseGRU, SparseLSTM, SparseSimpleRNN  # noqa: PLC0415
+    from jax_sprnn.flax import nnx as sparse_nnx  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    p = oracle.random_problem(rng, cell, 5, 3, 11, 0.4, jnp.dtype(dtype))
+    w = sp.SparseWeights.from_dense(p["kernel"], p["mask"])
+    lengths = np.array([5, 0, 2], np.int32)
+
+    def loss(xp, carry, implementation):
+        ys, final = oracle.run_api(cell, xp, carry, w, p["b_hn"], lengths, True,
+                                   implementation=implementation)
+        return jnp.sum(ys.astype(jnp.float32)) + sum(jnp.sum(f.astype(jnp.float32))
+                                                     for f in final)
+
+    linen_layer = {"rnn": SparseSimpleRNN, "lstm": SparseLSTM, "gru": SparseGRU}[cell](
+        11, density=0.4, dtype=dtype)
+    nnx_layer = {"rnn": sparse_nnx.SparseSimpleRNN, "lstm": sparse_nnx.SparseLSTM,
+                 "gru": sparse_nnx.SparseGRU}[cell](4, 11, density=0.4, dtype=dtype,
+                                                    rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((3, 5, 4)), jnp.float32)
+    variables = linen_layer.init(jax.random.key(0), x)
+
+    def everything():
+        out = [jax.value_and_grad(loss, argnums=(0, 1))(p["xp"], p["carry"], impl)
+               for impl in ("auto", "reference")]
+        return out + [linen_layer.apply(variables, x, seq_lengths=lengths),
+                      nnx_layer(x, seq_lengths=lengths)]
+
+    standard = everything()
+    with jax.numpy_dtype_promotion("strict"):
+        strict = everything()
+    for a, b in zip(jax.tree.leaves(strict), jax.tree.leaves(standard)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
