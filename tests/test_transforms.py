@@ -1,4 +1,5 @@
-"""jit and vmap: traced lengths, folded batch axes, per-instance weight gradients, ensembles."""
+"""jit and vmap: traced lengths, folded batch axes, per-instance weight gradients, ensembles;
+JAX's strict promotion modes."""
 
 import warnings
 
@@ -6,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jax_sprnn as sp
 import oracle
+from jax_sprnn.flax import SparseGRU, SparseLSTM, SparseSimpleRNN
+from jax_sprnn.flax import nnx as sparse_nnx
 
 
 def _setup(cell="lstm", seed=0, steps=6, batch=3, hidden=13):
@@ -265,11 +269,6 @@ def test_strict_dtype_promotion(cell, dtype):
     """README: the library casts explicitly, so it runs where users set
     jax_numpy_dtype_promotion="strict" (forward and grad, kernel and reference, the Flax
     layers with half-precision compute over float32 parameters), with the same results."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jax_sprnn.flax import SparseGRU, SparseLSTM, SparseSimpleRNN  # noqa: PLC0415
-    from jax_sprnn.flax import nnx as sparse_nnx  # noqa: PLC0415
-
     rng = np.random.default_rng(3)
     p = oracle.random_problem(rng, cell, 5, 3, 11, 0.4, jnp.dtype(dtype))
     w = sp.SparseWeights.from_dense(p["kernel"], p["mask"])

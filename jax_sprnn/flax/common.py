@@ -269,7 +269,7 @@ def zero_carry(cell: str, batch_shape, hidden: int, dtype):
 def input_projection(x_tm, kernel_i, bias, dtype):
     """One matmul over all timesteps: (T, B, I) @ (I, G*H) + b -> (T, B, G*H) in ``dtype``."""
     xp = jnp.dot(x_tm.astype(dtype), kernel_i.astype(dtype))
-    if bias is not None:  # broadcast explicitly: users may run with jax_numpy_rank_promotion="raise"
+    if bias is not None:  # broadcast explicitly: rank promotion may be set to "raise"
         xp = xp + jnp.reshape(bias.astype(dtype), (1,) * (xp.ndim - 1) + (-1,))
     return xp
 
