@@ -158,3 +158,42 @@ def run_api(cell, xp, carry, w, b_hn=None, lengths=None, reverse=False, activati
         ys, h = sp.rnn(xp, carry[0], w, activation, lengths, reverse,
                        implementation=implementation)
     return ys, (h,)
+
+
+def check_few_live_sequences(cell, steps, batch, hidden, dtype, live, reverse=True,
+                             density=0.3, implementation="kernel"):
+    """One call over a large (steps, batch) in which only the sequences `live` run; the others
+    have length 0, a NaN xp and a carry of 0.25. Large enough, xp holds more than 2**31 elements
+    (offsets past int32) at little compute. The live sequences must match `run` on them alone,
+    the others give zero ys and keep their carry. The whole xp is built on the device, once."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import jax_sprnn as sp  # noqa: PLC0415
+
+    rng = np.random.default_rng(len(live) * steps + batch + hidden)
+    p = random_problem(rng, cell, steps, len(live), hidden, density, np.dtype(dtype))
+    live = np.asarray(live)
+    idle = np.ones(batch, bool)
+    idle[live] = False
+
+    @jax.jit
+    def call(xp_live, carry_live, values):
+        spread = lambda a, fill: jnp.full((*a.shape[:-2], batch, a.shape[-1]), fill,  # noqa: E731
+                                          a.dtype).at[..., live, :].set(a)
+        w = sp.SparseWeights(values, w0.col_idx, w0.row_ptr, hidden_size=hidden,
+                             gates=GATES[cell])
+        lengths = jnp.zeros(batch, jnp.int32).at[live].set(steps)
+        ys, final = run_api(cell, spread(xp_live, jnp.nan), tuple(spread(c, 0.25)
+                            for c in carry_live), w, p["b_hn"], lengths, reverse,
+                            implementation=implementation)
+        idle_ys = jnp.max(jnp.abs(jnp.where(jnp.asarray(idle)[:, None], ys, 0)))
+        idle_carry_off = [jnp.max(jnp.abs(jnp.where(jnp.asarray(idle)[:, None], c - 0.25, 0)))
+                          for c in final]
+        return ys[:, live], tuple(c[live] for c in final), idle_ys, idle_carry_off
+
+    w0 = sp.SparseWeights.from_dense(p["kernel"], p["mask"])
+    ys, final, idle_ys, idle_carry_off = call(p["xp"], p["carry"], w0.values)
+    ref_ys, ref_final = run(cell, p["xp"], p["carry"], p["kernel"], None, p["b_hn"], reverse)
+    errors = [rel_error(ys, ref_ys)] + [rel_error(c, r) for c, r in zip(final, ref_final)]
+    return errors, float(idle_ys), [float(c) for c in idle_carry_off]

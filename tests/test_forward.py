@@ -113,3 +113,14 @@ def test_reverse_keeps_padding_at_end():
     ys, h = sp.rnn(xp, np.zeros((1, 1), np.float32), w, "relu", np.array([3]), reverse=True)
     np.testing.assert_allclose(np.asarray(ys)[:, 0, 0], [0.1, 0.2, 0.3, 0.0], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(h), [[0.1]], rtol=1e-6)  # state after t = 0
+
+
+def test_offsets_past_int32():
+    # xp of 4100 x 16384 x 32 halves (2.15e9 elements, 4.3 GB): its last offsets pass int32.
+    # Only three sequences run (little compute); the rest have a NaN xp that must not be read.
+    steps, batch, hidden = 4100, 16384, 8
+    assert steps * batch * 4 * hidden > 2**31
+    errors, idle_ys, idle_carry_off = oracle.check_few_live_sequences(
+        "lstm", steps, batch, hidden, "float16", [0, batch // 2 + 3, batch - 1])
+    assert max(errors) < oracle.RTOL["float16"], errors
+    assert idle_ys == 0 and set(idle_carry_off) == {0}, (idle_ys, idle_carry_off)

@@ -396,6 +396,30 @@ def test_large_batch_tile_plans(monkeypatch):
             assert info["threads"] <= 512, info
 
 
+# Batches past the largest tile (64 columns): batch groups or tiles in turn, the last partial.
+PAST_TILE_SHAPES = [(5, 65, 300, 0.2, "uniform"), (4, 130, 129, 0.3, "skewed"),
+                    (3, 300, 517, 0.1, "empty_rows")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", CELLS)
+def test_batches_past_the_largest_tile(cell, dtype):
+    for n, shape in enumerate(PAST_TILE_SHAPES):
+        check(cell, dtype, shape, -1, n)  # the default plan; ragged lengths, both directions
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_offsets_past_int32(cell):
+    # xp of more than 2**31 halves (4.3 GB; the rnn's ys too) in which three sequences run:
+    # every index of the kernels' last steps passes int32.
+    hidden, batch = 256, 1024
+    steps = 2**31 // (batch * oracle.GATES[cell] * hidden) + 8
+    errors, idle_ys, idle_carry_off = oracle.check_few_live_sequences(
+        cell, steps, batch, hidden, "float16", [0, 517, batch - 1])
+    assert max(errors) < oracle.RTOL["float16"], errors
+    assert idle_ys == 0 and set(idle_carry_off) == {0}, (idle_ys, idle_carry_off)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forced_tiles_and_column_filter(dtype, monkeypatch):
     # Several tiles of 16 with a ragged last one, and tiles of 32 / 16 with the filter off.
