@@ -127,3 +127,98 @@ def test_partially_manual_shard_map():
     want = jax.grad(loss, argnums=(0, 1, 2))(p["xp"], p["carry"][0], p["kernel"], "reference")
     for g, r in zip(got, want):
         assert oracle.rel_error(g, r) < 1e-5
+
+
+@pytest.fixture
+def explicit_mesh():
+    from jax.sharding import AxisType
+    return Mesh(np.array(jax.devices("cpu")[:4]), ("data",), axis_types=(AxisType.Explicit,))
+
+
+@pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
+def test_explicit_mesh_types_results_by_the_batch(explicit_mesh, cell):
+    """Under a mesh in explicit sharding mode the results were typed replicated (so later ops
+    took them for whole arrays) and a vmap over a batch-sharded call could not fold its axis
+    (a reshape JAX cannot type). Results now carry xp's batch sharding, each device still runs
+    its shard, and vmap and grad give the reference's values with the operands' types."""
+    rng = np.random.default_rng(4)
+    steps, batch, hidden = 5, 8, 12
+    p = oracle.random_problem(rng, cell, steps, batch, hidden, 0.4, jnp.dtype("float32"))
+    lengths = np.array([5, 0, 3, 5, 1, 2, 4, 5], np.int32)
+    b_hn = p["b_hn"] if p["b_hn"] is not None else np.zeros(hidden, np.float32)
+    seen = {}
+
+    def loss(xp, carry, kernel, b_hn, implementation="auto"):
+        w = sp.SparseWeights.from_dense(kernel, p["mask"])
+        ys, final = oracle.run_api(cell, xp, carry, w, b_hn if cell == "gru" else None,
+                                   lengths, implementation=implementation)
+        seen.setdefault("types", (jax.typeof(ys).sharding.spec,  # the first trace's, unmapped
+                                  jax.typeof(final[-1]).sharding.spec))
+        return jnp.sum(ys ** 2) + sum(jnp.sum(jnp.sin(c)) for c in final)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    with jax.set_mesh(explicit_mesh):
+        xp = jax.device_put(p["xp"], P(None, "data"))
+        carry = tuple(jax.device_put(c, P("data")) for c in p["carry"])
+        got = jax.jit(grad)(xp, carry, p["kernel"], b_hn)
+        hlo = jax.jit(loss).lower(xp, carry, p["kernel"], b_hn).compile().as_text()
+        # vmap over 4 instances: sharded by the batch (the instances fold in after it), then by
+        # the instances; per-instance gradients (the backward replicates the batch first).
+        x4 = np.stack([p["xp"] * (1 + i / 4) for i in range(4)])
+        c4 = tuple(np.stack([c] * 4) for c in p["carry"])
+        by_batch = (jax.device_put(x4, P(None, None, "data")),
+                    tuple(jax.device_put(c, P(None, "data")) for c in c4))
+        by_instance = (jax.device_put(x4, P("data")),
+                       tuple(jax.device_put(c, P("data")) for c in c4))
+        per_instance = jax.jit(jax.vmap(grad, in_axes=(0, 0, None, None)))
+        vmapped = [per_instance(*a, p["kernel"], b_hn) for a in (by_batch, by_instance)]
+    assert seen["types"] == (P(None, "data", None), P("data", None))
+    want = grad(p["xp"], p["carry"], p["kernel"], b_hn, "reference")
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert oracle.rel_error(g, r) < 1e-5
+    assert jax.typeof(got[0]).sharding.spec == P(None, "data", None)
+    assert not re.search(COLLECTIVES, hlo)
+    calls = re.findall(
+        rf"f32\[{steps},(\d+),{hidden}\][^\n]*custom_call_target=\"sprnn_{cell}_fwd\"", hlo)
+    assert calls and all(int(b) == batch // 4 for b in calls)  # each device its 2 sequences
+    want4 = jax.vmap(lambda x, c: grad(x, c, p["kernel"], b_hn, "reference"))(x4, c4)
+    for got4, spec in zip(vmapped, (P(None, None, "data", None), P("data", None, None, None))):
+        for g, r in zip(jax.tree.leaves(got4), jax.tree.leaves(want4)):
+            assert oracle.rel_error(g, r) < 1e-5
+        assert jax.typeof(got4[0]).sharding.spec == spec
+
+
+def test_explicit_mesh_flax_layers(explicit_mesh):
+    """The Flax layers on a batch sharded under an explicit mesh: the linen layer's gradient
+    failed (its zero initial carry is replicated while the carry's gradient came out sharded,
+    and a custom VJP must type each gradient as its primal). Values and gradients as without a
+    mesh, outputs sharded by the batch."""
+    from flax import nnx
+
+    from jax_sprnn.flax import linen as sparse_linen
+    from jax_sprnn.flax import nnx as sparse_nnx
+    x = np.random.default_rng(5).standard_normal((8, 6, 5)).astype(np.float32)
+    lengths = np.array([6, 0, 3, 6, 1, 2, 4, 6], np.int32)
+    linen_layer = sparse_linen.SparseLSTM(features=16, density=0.3)
+    params = linen_layer.init(jax.random.key(0), x)
+    nnx_layer = sparse_nnx.SparseGRU(5, 16, density=0.3, rngs=nnx.Rngs(0))
+
+    def linen_loss(params, x, lengths):
+        return jnp.sum(jnp.tanh(linen_layer.apply(params, x, seq_lengths=lengths)))
+
+    def nnx_loss(layer, x, lengths):
+        return jnp.sum(jnp.tanh(layer(x, seq_lengths=lengths)))
+
+    want = (linen_layer.apply(params, x, seq_lengths=lengths),
+            jax.grad(linen_loss)(params, x, lengths),
+            nnx_layer(x, seq_lengths=lengths), nnx.grad(nnx_loss)(nnx_layer, x, lengths))
+    with jax.set_mesh(explicit_mesh):
+        xs, ls = jax.device_put(x, P("data")), jax.device_put(lengths, P("data"))
+        got = (jax.jit(lambda p, x, l: linen_layer.apply(p, x, seq_lengths=l))(params, xs, ls),
+               jax.jit(jax.grad(linen_loss))(params, xs, ls),
+               nnx.jit(lambda m, x, l: m(x, seq_lengths=l))(nnx_layer, xs, ls),
+               nnx.jit(nnx.grad(nnx_loss))(nnx_layer, xs, ls))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    for out in (got[0], got[2]):
+        assert jax.typeof(out).sharding.spec == P("data", None, None)

@@ -14,6 +14,7 @@ from jax.interpreters import ad
 
 from jax_sprnn.primitives import lowering  # noqa: F401 (registers the lowerings)
 from jax_sprnn.primitives import manual_axes
+from jax_sprnn.primitives.explicit_sharding import like
 from jax_sprnn.primitives.recurrence import CELLS, backward_p, forward_p
 
 DEFAULT_VARIANT = -1
@@ -52,8 +53,11 @@ def _recurrence_bwd(cell, reverse, activation, residuals, cotangents):
                             *cell_states, dys, *dcarry, cell=cell, reverse=reverse,
                             activation=activation, groups=1, local=False)
     n_carry = len(carry)
-    dxp, dvalues, dcarry0 = grads[0], grads[1][0], tuple(grads[2:2 + n_carry])
-    db_hn = grads[2 + n_carry][0] if extras else None
+    # Under an explicit mesh each gradient must be typed as its primal (a replicated carry's
+    # gradient comes out batch-sharded, like xp's).
+    dxp, dvalues = like(grads[0], xp), like(grads[1][0], values)
+    dcarry0 = tuple(like(g, c) for g, c in zip(grads[2:2 + n_carry], carry))
+    db_hn = like(grads[2 + n_carry][0], b_hn) if extras else None
     return dxp, None, dvalues, None, None, dcarry0, db_hn
 
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.interpreters import batching, xla
 
+from jax_sprnn.primitives.explicit_sharding import (axis_sharding, replicate_axis,
+                                                     reshard_axes, result_sharding)
 from jax_sprnn.primitives.manual_axes import result_aval
 
 TIME, BATCH, SHARED, GROUPED = "time", "batch", "shared", "grouped"
@@ -58,6 +60,14 @@ def backward_roles(cell: str):
     return ins, outs
 
 
+def _result(xp, shape, dtype, batch_axis):
+    """A result's abstract value, typed as the call runs: varying over xp's manual axes inside
+    shard_map, sharded like xp's batch axis on its ``batch_axis`` under an explicit mesh."""
+    aval = result_aval(xp, shape, dtype)
+    sharding = result_sharding(xp, len(shape), batch_axis)
+    return aval if sharding is None else aval.update(sharding=sharding)
+
+
 # ---- forward ----------------------------------------------------------------------------------
 forward_p = core.Primitive("sprnn_forward")
 forward_p.multiple_results = True
@@ -67,8 +77,8 @@ def _forward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, *
     steps, batch, _ = xp.shape
     hidden = rest[0].shape[-1]
     n_carry = len(CELLS[cell].carry)
-    seq = result_aval(xp, (steps, batch, hidden), xp.dtype)
-    state = result_aval(xp, (batch, hidden), xp.dtype)
+    seq = _result(xp, (steps, batch, hidden), xp.dtype, 1)
+    state = _result(xp, (batch, hidden), xp.dtype, 0)
     return [seq] + [state] * n_carry + [seq] * CELLS[cell].cell_states
 
 
@@ -84,12 +94,12 @@ backward_p.multiple_results = True
 def _backward_abstract_eval(xp, lengths, values, col_idx, row_ptr, *rest, cell, groups, **_):
     spec = CELLS[cell]
     carry = rest[:len(spec.carry)]
-    outs = [result_aval(xp, xp.shape, xp.dtype),
-            result_aval(xp, (groups, values.shape[0]), values.dtype)]
-    outs += [result_aval(xp, c.shape, c.dtype) for c in carry]
+    outs = [_result(xp, xp.shape, xp.dtype, 1),
+            _result(xp, (groups, values.shape[0]), values.dtype, None)]
+    outs += [_result(xp, c.shape, c.dtype, 0) for c in carry]
     if spec.has_b_hn:
         b_hn = rest[len(spec.carry)]
-        outs.append(result_aval(xp, (groups, b_hn.shape[0]), b_hn.dtype))
+        outs.append(_result(xp, (groups, b_hn.shape[0]), b_hn.dtype, None))
     return outs
 
 
@@ -98,22 +108,34 @@ backward_p.def_impl(functools.partial(xla.apply_primitive, backward_p))
 
 
 # ---- vmap: fold the mapped axis into the batch axis -----------------------------------------
-def _fold(x, dim, role, size):
-    """Moves the vmapped axis next to the batch axis and merges the two."""
+def _batch_axis(role):
+    return 1 if role == TIME else 0
+
+
+def _fold(x, dim, role, size, minor):
+    """Moves the vmapped axis next to the batch axis (after it when ``minor``) and merges the
+    two."""
     if role == SHARED:
         return x
-    axis = 1 if role == TIME else 0
+    axis = _batch_axis(role)
+    at = axis + 1 if minor else axis
     if dim is None:
-        x = jnp.broadcast_to(jnp.expand_dims(x, axis),
-                             x.shape[:axis] + (size,) + x.shape[axis:])
+        x = jnp.broadcast_to(jnp.expand_dims(x, at), x.shape[:at] + (size,) + x.shape[at:])
     else:
-        x = jnp.moveaxis(x, dim, axis)
+        x = jnp.moveaxis(x, dim, at)
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _unfold(y, role, size):
-    axis = 1 if role == TIME else 0
+def _unfold(y, role, size, minor):
+    axis = _batch_axis(role)
+    if minor:
+        return y.reshape(y.shape[:axis] + (-1, size) + y.shape[axis + 1:]), axis + 1
     return y.reshape(y.shape[:axis] + (size, -1) + y.shape[axis + 1:]), axis
+
+
+def _unmapped_axis(dim, axis):
+    """Where axis ``axis`` of the unbatched operand sits in the batched one (mapped at dim)."""
+    return axis if dim is None or dim > axis else axis + 1
 
 
 def _per_instance(primitive, args, dims, params):
@@ -140,12 +162,24 @@ def _make_batching_rule(primitive, roles_of):
         in_roles, out_roles = roles_of(params["cell"])
         if any(d is not None for d, r in zip(dims, in_roles) if r == SHARED):
             return _per_instance(primitive, args, dims, params)
-        folded = [_fold(a, d, r, size) for a, d, r in zip(args, dims, in_roles)]
+        # Under an explicit mesh (explicit_sharding.py): the instances fold in after the batch
+        # when only the batch axis is sharded (the merge JAX can type), except in the backward,
+        # whose per-instance weight gradients need each instance's sequences together: there
+        # the batch axis is replicated first. The results are then typed like xp.
+        inst = None if dims[0] is None else axis_sharding(args[0], dims[0])
+        batch = axis_sharding(args[0], _unmapped_axis(dims[0], 1))
+        minor = batch is not None and inst is None and "groups" not in params
         if "groups" in params:
             params = dict(params, groups=params["groups"] * size)
+            args = [a if r == SHARED else replicate_axis(a, _unmapped_axis(d, _batch_axis(r)))
+                    for a, d, r in zip(args, dims, in_roles)]
+        folded = [_fold(a, d, r, size, minor) for a, d, r in zip(args, dims, in_roles)]
         outs = primitive.bind(*folded, **params)
-        unfolded = [_unfold(y, r, size) for y, r in zip(outs, out_roles)]
-        return [y for y, _ in unfolded], [d for _, d in unfolded]
+        unfolded = [_unfold(y, r, size, minor) for y, r in zip(outs, out_roles)]
+        return ([reshard_axes(y, {d: inst} if r == GROUPED else
+                              {d: inst, d - 1 if minor else d + 1: batch})
+                 for (y, d), r in zip(unfolded, out_roles)],
+                [d for _, d in unfolded])
 
     return rule
 
