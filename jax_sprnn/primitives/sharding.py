@@ -10,7 +10,7 @@ import functools
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jax_sprnn.primitives.recurrence import (BATCH, GROUPED, TIME, backward_p, backward_roles,
                                              forward_roles)
@@ -48,6 +48,15 @@ def _rule(in_roles, out_roles, in_ndims, out_ndims):
     return f"{lhs} -> {rhs}", tuple(others)
 
 
+def _sum_over_shards(x, axes, mesh):
+    """The sum of x over the shards of mesh axes ``axes``. Under an explicit mesh, jax 0.11
+    lowers psum's reduction with sharding annotations that XLA's CPU all-reduce rejects
+    ("Unsupported reduction computation"), so there the shards' values are gathered and added."""
+    if AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+        return jax.lax.all_gather(x, axes).sum(0)
+    return jax.lax.psum(x, axes)
+
+
 @functools.lru_cache(maxsize=None)
 def _partitioned_function(primitive, params_items, in_ndims, out_ndims):
     params = dict(params_items)
@@ -73,7 +82,7 @@ def _partitioned_function(primitive, params_items, in_ndims, out_ndims):
             if batch_axes is None:
                 return outs
             # Weight gradients of each shard are partial sums over its batch rows.
-            return [jax.lax.psum(o, batch_axes) if r == GROUPED else o
+            return [_sum_over_shards(o, batch_axes, mesh) if r == GROUPED else o
                     for o, r in zip(outs, out_roles)]
 
         return mesh, lower_fn, result_shardings, arg_shardings
