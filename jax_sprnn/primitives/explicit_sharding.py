@@ -16,16 +16,25 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 
+def _aval(x):
+    return x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+
+
 def _explicit_mesh(aval):
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     return mesh if mesh is not None and getattr(mesh, "explicit_axes", ()) else None
 
 
+def typed_explicitly(x) -> bool:
+    """Whether ``x`` (a value or an abstract value) is typed by an explicit mesh."""
+    return _explicit_mesh(_aval(x)) is not None
+
+
 def axis_sharding(x, axis: int):
     """The explicit mesh axes that dimension ``axis`` of ``x`` (a value or an abstract value)
     is sharded over, or None (not sharded, or no explicit mesh)."""
-    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    aval = _aval(x)
     if _explicit_mesh(aval) is None:
         return None
     spec = aval.sharding.spec
@@ -63,5 +72,6 @@ def replicate_axis(x, axis: int):
 
 def like(x, ref):
     """``x`` with ``ref``'s sharding, where an explicit mesh types ``ref``; else ``x``."""
-    spec = tuple(jax.typeof(ref).sharding.spec) if _explicit_mesh(jax.typeof(ref)) else ()
+    aval = jax.typeof(ref)
+    spec = tuple(aval.sharding.spec) if _explicit_mesh(aval) else ()
     return reshard_axes(x, dict(enumerate(spec)))

@@ -10,8 +10,9 @@ import functools
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_sprnn.primitives.explicit_sharding import typed_explicitly
 from jax_sprnn.primitives.recurrence import (BATCH, GROUPED, TIME, backward_p, backward_roles,
                                              forward_roles)
 
@@ -48,17 +49,17 @@ def _rule(in_roles, out_roles, in_ndims, out_ndims):
     return f"{lhs} -> {rhs}", tuple(others)
 
 
-def _sum_over_shards(x, axes, mesh):
+def _sum_over_shards(x, axes, explicit):
     """The sum of x over the shards of mesh axes ``axes``. Under an explicit mesh, jax 0.11
     lowers psum's reduction with sharding annotations that XLA's CPU all-reduce rejects
     ("Unsupported reduction computation"), so there the shards' values are gathered and added."""
-    if AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+    if explicit:
         return jax.lax.all_gather(x, axes).sum(0)
     return jax.lax.psum(x, axes)
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_function(primitive, params_items, in_ndims, out_ndims):
+def _partitioned_function(primitive, params_items, in_ndims, out_ndims, explicit):
     params = dict(params_items)
     in_roles, out_roles = _roles(primitive, params["cell"])
 
@@ -82,7 +83,7 @@ def _partitioned_function(primitive, params_items, in_ndims, out_ndims):
             if batch_axes is None:
                 return outs
             # Weight gradients of each shard are partial sums over its batch rows.
-            return [_sum_over_shards(o, batch_axes, mesh) if r == GROUPED else o
+            return [_sum_over_shards(o, batch_axes, explicit) if r == GROUPED else o
                     for o, r in zip(outs, out_roles)]
 
         return mesh, lower_fn, result_shardings, arg_shardings
@@ -98,6 +99,8 @@ def partitioned(primitive, params, *operands):
     """Calls ``primitive`` (local=True) through custom partitioning over the batch axis."""
     _, out_roles = _roles(primitive, params["cell"])
     out_ndims = tuple(3 if r == TIME else 2 for r in out_roles)  # (T,B,H) or (B|groups, .)
+    # The partition callback sees only Auto meshes, so the caller's typing is read here.
     function = _partitioned_function(primitive, tuple(sorted(params.items())),
-                                     tuple(o.ndim for o in operands), out_ndims)
+                                     tuple(o.ndim for o in operands), out_ndims,
+                                     typed_explicitly(operands[0]))
     return function(*operands)
