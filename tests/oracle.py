@@ -177,22 +177,24 @@ def check_few_live_sequences(cell, steps, batch, hidden, dtype, live, reverse=Tr
     idle = np.ones(batch, bool)
     idle[live] = False
 
+    w0 = sp.SparseWeights.from_dense(p["kernel"], p["mask"])
+
+    def spread(a, fill):  # the live sequences' rows in a (..., batch, n) array of `fill`
+        return jnp.full((*a.shape[:-2], batch, a.shape[-1]), fill, a.dtype).at[..., live, :].set(a)
+
     @jax.jit
     def call(xp_live, carry_live, values):
-        spread = lambda a, fill: jnp.full((*a.shape[:-2], batch, a.shape[-1]), fill,  # noqa: E731
-                                          a.dtype).at[..., live, :].set(a)
         w = sp.SparseWeights(values, w0.col_idx, w0.row_ptr, hidden_size=hidden,
                              gates=GATES[cell])
         lengths = jnp.zeros(batch, jnp.int32).at[live].set(steps)
-        ys, final = run_api(cell, spread(xp_live, jnp.nan), tuple(spread(c, 0.25)
-                            for c in carry_live), w, p["b_hn"], lengths, reverse,
-                            implementation=implementation)
-        idle_ys = jnp.max(jnp.abs(jnp.where(jnp.asarray(idle)[:, None], ys, 0)))
+        ys, final = run_api(cell, spread(xp_live, jnp.nan),
+                            tuple(spread(c, 0.25) for c in carry_live), w, p["b_hn"], lengths,
+                            reverse, implementation=implementation)
+        idle_ys = jnp.max(jnp.abs(jnp.where(jnp.asarray(idle)[None, :, None], ys, 0)))
         idle_carry_off = [jnp.max(jnp.abs(jnp.where(jnp.asarray(idle)[:, None], c - 0.25, 0)))
                           for c in final]
         return ys[:, live], tuple(c[live] for c in final), idle_ys, idle_carry_off
 
-    w0 = sp.SparseWeights.from_dense(p["kernel"], p["mask"])
     ys, final, idle_ys, idle_carry_off = call(p["xp"], p["carry"], w0.values)
     ref_ys, ref_final = run(cell, p["xp"], p["carry"], p["kernel"], None, p["b_hn"], reverse)
     errors = [rel_error(ys, ref_ys)] + [rel_error(c, r) for c, r in zip(final, ref_final)]
