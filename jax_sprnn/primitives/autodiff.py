@@ -14,7 +14,7 @@ from jax.interpreters import ad
 
 from jax_sprnn.primitives import lowering  # noqa: F401 (registers the lowerings)
 from jax_sprnn.primitives import manual_axes
-from jax_sprnn.primitives.explicit_sharding import like
+from jax_sprnn.primitives.explicit_sharding import like, share_batch
 from jax_sprnn.primitives.recurrence import CELLS, backward_p, forward_p
 
 DEFAULT_VARIANT = -1
@@ -82,5 +82,6 @@ def sparse_recurrence(cell, xp, carry, w, lengths, b_hn=None, *, reverse=False, 
     # Inside shard_map: results are typed by xp's manual axes, so every float operand must vary
     # over them too (outside the custom VJP, so replicated weights' gradients get their psum).
     xp, values, b_hn, *carry = manual_axes.vary_together(xp, w.values, b_hn, *carry)
+    xp, lengths, *carry = share_batch(xp, lengths, *carry)
     return _recurrence(cell, bool(reverse), int(activation), xp, lengths, values, col_idx,
                        row_ptr, tuple(carry), b_hn)

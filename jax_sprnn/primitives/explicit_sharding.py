@@ -53,15 +53,19 @@ def result_sharding(xp, ndim: int, batch_axis: int | None):
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def reshard_axes(x, axes: dict):
+def reshard_axes(x, axes: dict, mesh=None):
     """``x`` with each dimension d sharded over ``axes.get(d)`` (None: replicated), where an
-    explicit mesh types it; else ``x`` itself."""
+    explicit mesh types it (or on ``mesh``, an explicit abstract mesh); else ``x`` itself."""
     aval = jax.typeof(x)
-    if _explicit_mesh(aval) is None:
+    mesh = _explicit_mesh(aval) or mesh
+    if mesh is None:
         return x
     want = tuple(axes.get(d) for d in range(x.ndim))
-    have = tuple(aval.sharding.spec) + (None,) * (x.ndim - len(aval.sharding.spec))
-    return x if have == want else jax.sharding.reshard(x, PartitionSpec(*want))
+    spec = tuple(aval.sharding.spec)
+    have = spec + (None,) * (x.ndim - len(spec))
+    if have == want and _explicit_mesh(aval) is not None:
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*want)))
 
 
 def replicate_axis(x, axis: int):
@@ -75,3 +79,29 @@ def like(x, ref):
     aval = jax.typeof(ref)
     spec = tuple(aval.sharding.spec) if _explicit_mesh(aval) else ()
     return reshard_axes(x, dict(enumerate(spec)))
+
+
+def _mesh_axes(entry) -> set:
+    return set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
+
+
+def share_batch(xp, *batch_major):
+    """xp and the batch-major operands (lengths, carry) resharded to one batch sharding: xp's,
+    else the first sharded operand's (as JAX's own ops combine a replicated operand with a
+    sharded one), where an explicit mesh types any of them; else unchanged. Other axes keep
+    their sharding unless it uses the batch's mesh axes. The results are typed by xp's batch
+    axis (``result_sharding``), so the call then runs as typed."""
+    operands = (xp, *batch_major)
+    mesh = next((m for m in map(_explicit_mesh, map(_aval, operands)) if m is not None), None)
+    # Eager calls (no tracer) run as one jitted primitive each, typed as they come out.
+    if mesh is None or not any(isinstance(x, jax.core.Tracer) for x in operands):
+        return operands
+    candidates = [axis_sharding(xp, 1)] + [axis_sharding(x, 0) for x in batch_major]
+    batch = next((c for c in candidates if c is not None), None)
+
+    def with_batch(x, axis):
+        axes = {d: axis_sharding(x, d) for d in range(x.ndim)}
+        axes = {d: None if _mesh_axes(a) & _mesh_axes(batch) else a for d, a in axes.items()}
+        return reshard_axes(x, {**axes, axis: batch}, mesh)
+
+    return (with_batch(xp, 1), *(with_batch(x, 0) for x in batch_major))

@@ -112,15 +112,17 @@ def _batch_axis(role):
     return 1 if role == TIME else 0
 
 
-def _fold(x, dim, role, size, minor):
+def _fold(x, dim, role, size, minor, inst):
     """Moves the vmapped axis next to the batch axis (after it when ``minor``) and merges the
-    two."""
+    two. An unmapped operand is broadcast, its new axis sharded as the mapped ones (``inst``)
+    under an explicit mesh."""
     if role == SHARED:
         return x
     axis = _batch_axis(role)
     at = axis + 1 if minor else axis
     if dim is None:
         x = jnp.broadcast_to(jnp.expand_dims(x, at), x.shape[:at] + (size,) + x.shape[at:])
+        x = reshard_axes(x, {**{d: axis_sharding(x, d) for d in range(x.ndim)}, at: inst})
     else:
         x = jnp.moveaxis(x, dim, at)
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
@@ -173,7 +175,7 @@ def _make_batching_rule(primitive, roles_of):
             params = dict(params, groups=params["groups"] * size)
             args = [a if r == SHARED else replicate_axis(a, _unmapped_axis(d, _batch_axis(r)))
                     for a, d, r in zip(args, dims, in_roles)]
-        folded = [_fold(a, d, r, size, minor) for a, d, r in zip(args, dims, in_roles)]
+        folded = [_fold(a, d, r, size, minor, inst) for a, d, r in zip(args, dims, in_roles)]
         outs = primitive.bind(*folded, **params)
         unfolded = [_unfold(y, r, size, minor) for y, r in zip(outs, out_roles)]
         return ([reshard_axes(y, {d: inst} if r == GROUPED else
