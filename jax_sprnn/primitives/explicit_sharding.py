@@ -2,8 +2,9 @@
 
 There JAX types every value with its sharding and checks it. The call runs shard by shard over
 xp's batch axis (sharding.py), so a result's batch axis has xp's batch sharding and every other
-axis is replicated; the abstract evals say so through ``result_sharding``. Under any other mesh
-(or none) it gives None and the results carry the default type, as before.
+axis is replicated; the abstract evals say so through ``result_sharding``, after
+``share_batch`` has given xp, lengths and carry one batch sharding. Under any other mesh (or
+none) nothing changes and the results carry the default type.
 
 vmap folds its axis into the batch axis (recurrence.py): when only the batch axis is sharded, the
 instances go minor to it (a reshape JAX can type); the backward, whose weight gradients are per
