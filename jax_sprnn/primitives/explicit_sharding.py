@@ -42,6 +42,12 @@ def axis_sharding(x, axis: int):
     return spec[axis] if axis < len(spec) else None
 
 
+def axes_of(x) -> dict:
+    """Dimension -> the explicit mesh axes it is sharded over (None: not sharded), for every
+    dimension of ``x``."""
+    return {d: axis_sharding(x, d) for d in range(x.ndim)}
+
+
 def result_sharding(xp, ndim: int, batch_axis: int | None):
     """A result's sharding under an explicit mesh: xp's batch sharding (xp is (T, B, ...)) on
     its ``batch_axis`` (None: no batch axis), the rest replicated. None elsewhere."""
@@ -57,22 +63,19 @@ def result_sharding(xp, ndim: int, batch_axis: int | None):
 def reshard_axes(x, axes: dict, mesh=None):
     """``x`` with each dimension d sharded over ``axes.get(d)`` (None: replicated), where an
     explicit mesh types it (or on ``mesh``, an explicit abstract mesh); else ``x`` itself."""
-    aval = jax.typeof(x)
-    mesh = _explicit_mesh(aval) or mesh
-    if mesh is None:
+    own = _explicit_mesh(jax.typeof(x))
+    if own is None and mesh is None:
         return x
-    want = tuple(axes.get(d) for d in range(x.ndim))
-    spec = tuple(aval.sharding.spec)
-    have = spec + (None,) * (x.ndim - len(spec))
-    if have == want and _explicit_mesh(aval) is not None:
+    want = {d: axes.get(d) for d in range(x.ndim)}
+    if own is not None and axes_of(x) == want:
         return x
-    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*want)))
+    return jax.sharding.reshard(x, NamedSharding(own or mesh, PartitionSpec(*want.values())))
 
 
 def replicate_axis(x, axis: int):
     """``x`` with dimension ``axis`` replicated (its shards gathered) and the others as they
     are, under an explicit mesh; else ``x`` itself."""
-    return reshard_axes(x, {d: axis_sharding(x, d) for d in range(x.ndim) if d != axis})
+    return reshard_axes(x, {**axes_of(x), axis: None})
 
 
 def like(x, ref):
@@ -101,8 +104,8 @@ def share_batch(xp, *batch_major):
     batch = next((c for c in candidates if c is not None), None)
 
     def with_batch(x, axis):
-        axes = {d: axis_sharding(x, d) for d in range(x.ndim)}
-        axes = {d: None if _mesh_axes(a) & _mesh_axes(batch) else a for d, a in axes.items()}
+        axes = {d: None if _mesh_axes(a) & _mesh_axes(batch) else a
+                for d, a in axes_of(x).items()}
         return reshard_axes(x, {**axes, axis: batch}, mesh)
 
     return (with_batch(xp, 1), *(with_batch(x, 0) for x in batch_major))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.interpreters import batching, xla
 
-from jax_sprnn.primitives.explicit_sharding import (axis_sharding, replicate_axis,
+from jax_sprnn.primitives.explicit_sharding import (axes_of, axis_sharding, replicate_axis,
                                                      reshard_axes, result_sharding)
 from jax_sprnn.primitives.manual_axes import result_aval
 
@@ -122,7 +122,7 @@ def _fold(x, dim, role, size, minor, inst):
     at = axis + 1 if minor else axis
     if dim is None:
         x = jnp.broadcast_to(jnp.expand_dims(x, at), x.shape[:at] + (size,) + x.shape[at:])
-        x = reshard_axes(x, {**{d: axis_sharding(x, d) for d in range(x.ndim)}, at: inst})
+        x = reshard_axes(x, {**axes_of(x), at: inst})
     else:
         x = jnp.moveaxis(x, dim, at)
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
