@@ -5,7 +5,8 @@
 # benchmarks/results/run). Each mode fits one 10-minute device call; `all` does not. Usage:
 #   benchmarks/gpu_check.sh [build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|
 #                            probe-profile|exchange|l1-gather|cluster-reg|mma-clock|diag-mma|
-#                            func-attr|step-kernel|step-profile|multi-gpu|trace|decode|all]
+#                            func-attr|step-kernel|step-profile|multi-gpu|trace|decode|
+#                            cpu-suite|all]
 #                                                                       (default all)
 # build: the package only (then run what you need, e.g. pytest on chosen test files).
 # all: the whole benchmark (targets, ablation with ncu, batch, sweeps; no tests).
@@ -45,6 +46,8 @@
 # step-kernel: benchmarks/step_kernel_probe.cu (the per-step kernel's row loads on one-step calls:
 #   nonzeros per load, loads in flight, blocks per SM; loop steps; step_fwd against the staged
 #   kernel, h in shared memory).
+# cpu-suite: a CPU-only build (SPRNN_CUDA=OFF), then the whole test suite with
+#   JAX_PLATFORMS=cpu on TEST_WORKERS workers: CI's tests on this machine's (newer) JAX.
 # multi-gpu: tests/test_multi_gpu.py after the build (each GPU runs the persistent kernel; a
 #   batch sharded over all of them); needs two or more GPUs, e.g. the kind nvidia-h200-x2.
 # cluster-reg: benchmarks/cluster_reg_probe.cu (one cluster of 16 CTAs, nonzeros in registers)
@@ -57,7 +60,7 @@ MODE="${1:-all}"
 case "$MODE" in
   build|bench|lm|quick|batch|cluster|profile|verify|timing|probe|probe-profile|exchange|\
   l1-gather|cluster-reg|mma-clock|diag-mma|func-attr|step-kernel|step-profile|multi-gpu|trace|\
-  decode|all) ;;
+  decode|cpu-suite|all) ;;
   *) echo "unknown mode '$MODE'; see the usage at the top of $0" >&2; exit 2 ;;
 esac
 OUT="${OUT:-benchmarks/results/run}"
@@ -191,6 +194,7 @@ run_bench() {
 }
 
 t0=$(date +%s)
+[ "$MODE" = cpu-suite ] && export SPRNN_CUDA=OFF
 $PY -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1
 rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
 if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; exit $rc; fi
@@ -218,6 +222,16 @@ if [ "$MODE" = verify ]; then
     run_bench bench_gpu.py "${BENCH_TIMEOUT:-200}" bench.log 30 ${BENCH_ARGS:---targets}
     cat "$OUT/summary_tests.txt"
   fi
+  exit $tests_rc
+fi
+if [ "$MODE" = cpu-suite ]; then  # CI's tests on this machine's JAX, CPU only
+  REPO="$(pwd)"
+  (cd /tmp && JAX_PLATFORMS=cpu timeout "${TEST_TIMEOUT:-450}" $PY -m pytest -q -p no:cacheprovider \
+     -p no:benchmark -n "${TEST_WORKERS:-14}" --dist worksteal "$REPO/tests" \
+     > "$OUT/test_cpu_suite.log" 2>&1)
+  tests_rc=$?
+  [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT\n' >> "$OUT/test_cpu_suite.log"
+  grep -E "^(FAILED|ERROR)|passed|failed|crashed|CUT by" "$OUT/test_cpu_suite.log" | tail -n 40
   exit $tests_rc
 fi
 if [ "$MODE" = multi-gpu ]; then  # every GPU of the machine in one process (needs two or more)
