@@ -80,7 +80,7 @@ def test_jax_export_with_symbolic_steps_and_batch():
 
 
 def test_platforms_without_a_kernel_run_the_pure_jax_fallback(monkeypatch):
-    # ROCm, TPU, ...: lowered for them here and run on this CPU (the platform check off), the
+    # TPU, ROCm, ...: lowered for them here and run on this CPU (the platform check off), the
     # program holds no custom call and agrees with the oracle, forward and gradients.
     from jax import export
 
@@ -88,7 +88,16 @@ def test_platforms_without_a_kernel_run_the_pure_jax_fallback(monkeypatch):
 
     monkeypatch.setattr(cuda_lowering, "_warned", set())
     checks = [export.DisabledSafetyCheck.platform()]
-    for n, (cell, platform) in enumerate([("rnn", "tpu"), ("lstm", "rocm"), ("gru", "tpu")]):
+
+    def exported_for(platform, fun, *args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = export.export(jax.jit(fun), platforms=[platform], disabled_checks=checks)(*args)
+        said = [c for c in caught if f"no kernel for {platform}" in str(c.message)]
+        assert "custom_call" not in out.mlir_module()
+        return out, len(said)
+
+    for n, cell in enumerate(["rnn", "lstm", "gru"]):
         _, p, w = _setup(cell, seed=n)
         lengths = np.array([6, 0, 3], np.int32)
 
@@ -99,21 +108,19 @@ def test_platforms_without_a_kernel_run_the_pure_jax_fallback(monkeypatch):
             return jnp.sum(jnp.sin(f(xp, carry, w, b_hn)[0]))
 
         args = (p["xp"], p["carry"], w, p["b_hn"])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            exported = export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(
-                *args)
-            grad = export.export(jax.jit(jax.grad(loss)), platforms=[platform],
-                                 disabled_checks=checks)(*args)
-        said = [str(c.message) for c in caught if f"no kernel for {platform}" in str(c.message)]
-        assert len(said) == (n < 2)  # once per platform
-        assert "custom_call" not in exported.mlir_module()
+        exported, warned = exported_for("tpu", f, *args)
+        grad, warned_again = exported_for("tpu", jax.grad(loss), *args)
+        assert (warned, warned_again) == (n == 0, 0)  # once per platform
         ys, final = exported.call(*args)
         ref_ys, ref_final = oracle.run(cell, p["xp"], p["carry"], p["kernel"], lengths,
                                        p["b_hn"], reverse=True)
         assert oracle.rel_error(ys, ref_ys) < 2e-5
         assert oracle.rel_error(final[-1], ref_final[-1]) < 2e-5
         assert oracle.rel_error(grad.call(*args), jax.grad(loss)(*args)) < 1e-5
+        # ROCm: checked by its text only. Since jax 0.11 a GPU module computes cumsum (the
+        # fallback's row index of each nonzero) as a chlo.scan composite, which XLA's CPU
+        # compiler aborts on (session 97), so such a module cannot run here.
+        assert exported_for("rocm", f, *args)[1] == (n == 0)
 
 
 @pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])

@@ -12,7 +12,6 @@
 #include <exception>
 #include <initializer_list>
 #include <new>
-#include <sstream>
 #include <string>
 
 #include "cpu/recurrence.h"
@@ -61,21 +60,14 @@ const char* dtype_name(ffi::DataType t) {
   }
 }
 
-std::string dims_str(ffi::AnyBuffer::Dimensions d) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < d.size(); ++i) os << (i ? ", " : "") << d[i];
-  os << (d.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-std::string dims_str(std::initializer_list<int64_t> d) {
-  std::ostringstream os;
-  os << "(";
+// "(3, 4, 24)". Built with std::to_string: with jaxlib 0.11 loaded, a std::ostringstream in
+// this library crashed the process (session 97: the shape errors segfaulted, the others did not).
+template <typename Extents>
+std::string dims_str(const Extents& d) {
+  std::string s = "(";
   size_t i = 0;
-  for (int64_t x : d) os << (i++ ? ", " : "") << x;
-  os << (d.size() == 1 ? ",)" : ")");
-  return os.str();
+  for (int64_t x : d) s += (i++ ? ", " : "") + std::to_string(x);
+  return s + (d.size() == 1 ? ",)" : ")");
 }
 
 // Collects the first problem of a call as a readable message.
