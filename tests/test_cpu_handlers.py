@@ -8,6 +8,8 @@ reference. Needs the installed package with its compiled extension (`pip install
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 import zlib
 
 import jax
@@ -351,6 +353,20 @@ def test_bad_shapes_and_dtypes_give_clear_errors():
         ffi_forward("rnn", make_problem("rnn", 2, 2, 4, 0.5, jnp.float32, seed=0), False,
                     activation=5)
 
+
+
+def test_native_sources_use_no_iostreams():
+    """The failure above, on jaxlib 0.11.2: the CPU library's shape messages, then built with a
+    std::ostringstream, segfaulted the process (session 97). CI runs an older jaxlib, so this
+    keeps iostreams out of every native source instead."""
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    sources = [f for f in csrc.rglob("*") if f.suffix in {".cc", ".cu", ".cuh", ".h"}]
+    assert len(sources) > 10
+    stream = re.compile(r"#include\s*<[a-z]*stream>|std::\w*stream\b|std::(cout|cerr|clog)\b")
+    offenders = [f"{f.relative_to(csrc)}:{n}" for f in sources  # code, not comments
+                 for n, line in enumerate(f.read_text().splitlines(), 1)
+                 if stream.search(line.split("//")[0])]
+    assert not offenders, offenders
 
 # The row kernels and cell passes have a baseline build and an AVX2+FMA build picked at run
 # time (B = 4 has its own kernel: several nonzeros per vector instruction, with 8- and 4-wide
