@@ -354,11 +354,11 @@ def test_bad_shapes_and_dtypes_give_clear_errors():
                     activation=5)
 
 
-
 def test_native_sources_use_no_iostreams():
-    """The failure above, on jaxlib 0.11.2: the CPU library's shape messages, then built with a
-    std::ostringstream, segfaulted the process (session 97). CI runs an older jaxlib, so this
-    keeps iostreams out of every native source instead."""
+    """The failure above, on jaxlib 0.11.2 with a statically linked libstdc++: the CPU
+    library's shape messages, then built with a std::ostringstream, segfaulted the process
+    (session 97; BUILD_NOTES.md). CI's jaxlib cannot show that, so this keeps iostreams out of
+    every native source."""
     csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
     sources = [f for f in csrc.rglob("*") if f.suffix in {".cc", ".cu", ".cuh", ".h"}]
     assert len(sources) > 10
@@ -367,6 +367,7 @@ def test_native_sources_use_no_iostreams():
                  for n, line in enumerate(f.read_text().splitlines(), 1)
                  if stream.search(line.split("//")[0])]
     assert not offenders, offenders
+
 
 # The row kernels and cell passes have a baseline build and an AVX2+FMA build picked at run
 # time (B = 4 has its own kernel: several nonzeros per vector instruction, with 8- and 4-wide

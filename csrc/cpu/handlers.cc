@@ -60,8 +60,8 @@ const char* dtype_name(ffi::DataType t) {
   }
 }
 
-// "(3, 4, 24)". Built with std::to_string: with jaxlib 0.11 loaded, a std::ostringstream in
-// this library crashed the process (session 97: the shape errors segfaulted, the others did not).
+// "(3, 4, 24)". No iostreams in the handlers: a std::ostringstream here segfaulted under jaxlib
+// 0.11 with a statically linked libstdc++ (session 97, BUILD_NOTES.md).
 template <typename Extents>
 std::string dims_str(const Extents& d) {
   std::string s = "(";
