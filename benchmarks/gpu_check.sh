@@ -193,6 +193,22 @@ run_bench() {
   fi
 }
 
+# Runs pytest (further arguments after the first two) from /tmp, so that the installed package
+# is imported, not ./jax_sprnn, with its log in $OUT/$1, cut after $2 s; then prints the
+# failures and counts (also in $OUT/summary_tests.txt) and returns pytest's status.
+# no:benchmark: the image's pytest-benchmark warns once per xdist worker (it does not time here).
+run_tests() {
+  local log="$1" limit="$2"; shift 2
+  (cd /tmp && timeout "$limit" $PY -m pytest -q -p no:cacheprovider -p no:benchmark "$@" \
+     > "$OUT/$log" 2>&1)
+  local rc=$?
+  # A run cut by the limit says so (pytest's own last line would be a row of dots).
+  [ $rc -eq 124 ] && printf '\nCUT by its %s-s limit (TEST_TIMEOUT)\n' "$limit" >> "$OUT/$log"
+  grep -E "^(FAILED|ERROR)|passed|failed|skipped|crashed|CUT by" "$OUT/$log" | tail -n 40 \
+    | tee "$OUT/summary_tests.txt"
+  return $rc
+}
+
 t0=$(date +%s)
 [ "$MODE" = cpu-suite ] && export SPRNN_CUDA=OFF
 $PY -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1
@@ -206,18 +222,12 @@ if [ "$MODE" = verify ]; then
   # parts it replaced (430-500 s of host time, mostly JAX compiling, session 46), so
   # TEST_SHARD=k/n (the k-th of n shards, tests/conftest.py) spreads a run over several calls.
   # Then the targets table (BENCH_ARGS=none: tests only).
-  REPO="$(pwd)"; test_timeout="${TEST_TIMEOUT:-470}"
+  REPO="$(pwd)"
   if ! $PY -c "import xdist" 2>/dev/null; then echo "verify needs pytest-xdist"; exit 1; fi
-  # no:benchmark: the image's pytest-benchmark warns once per xdist worker (it does not time here).
-  (cd /tmp && SPRNN_TEST_SHARD="${TEST_SHARD:-}" timeout "$test_timeout" $PY -m pytest -q \
-     -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" \
-     "$REPO/tests/test_gpu_command_buffers.py" > "$OUT/test_gpu.log" 2>&1)
+  SPRNN_TEST_SHARD="${TEST_SHARD:-}" run_tests test_gpu.log "${TEST_TIMEOUT:-470}" \
+    -n "${TEST_WORKERS:-14}" "$REPO/tests/test_gpu_kernel.py" \
+    "$REPO/tests/test_gpu_command_buffers.py"
   tests_rc=$?
-  # A run cut by the timeout says so (pytest's own last line would be a row of dots).
-  [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT=%s s\n' "$test_timeout" >> "$OUT/test_gpu.log"
-  # The failures' short summary and the counts, printed last as well.
-  grep -E "^(FAILED|ERROR)|passed|failed|CUT by" "$OUT/test_gpu.log" | tail -n 40 > "$OUT/summary_tests.txt"
-  cat "$OUT/summary_tests.txt"
   if [ "${BENCH_ARGS:-}" != none ]; then
     run_bench bench_gpu.py "${BENCH_TIMEOUT:-200}" bench.log 30 ${BENCH_ARGS:---targets}
     cat "$OUT/summary_tests.txt"
@@ -225,14 +235,9 @@ if [ "$MODE" = verify ]; then
   exit $tests_rc
 fi
 if [ "$MODE" = cpu-suite ]; then  # CI's tests on this machine's JAX, CPU only
-  REPO="$(pwd)"
-  (cd /tmp && JAX_PLATFORMS=cpu timeout "${TEST_TIMEOUT:-450}" $PY -m pytest -q -p no:cacheprovider \
-     -p no:benchmark -n "${TEST_WORKERS:-14}" --dist worksteal "$REPO/tests" \
-     > "$OUT/test_cpu_suite.log" 2>&1)
-  tests_rc=$?
-  [ $tests_rc -eq 124 ] && printf '\nCUT by TEST_TIMEOUT\n' >> "$OUT/test_cpu_suite.log"
-  grep -E "^(FAILED|ERROR)|passed|failed|crashed|CUT by" "$OUT/test_cpu_suite.log" | tail -n 40
-  exit $tests_rc
+  JAX_PLATFORMS=cpu run_tests test_cpu_suite.log "${TEST_TIMEOUT:-450}" \
+    -n "${TEST_WORKERS:-14}" --dist worksteal "$(pwd)/tests"
+  exit $?
 fi
 if [ "$MODE" = multi-gpu ]; then  # every GPU of the machine in one process (needs two or more)
   REPO="$(pwd)"
