@@ -79,9 +79,9 @@ WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
   echo "commit: $SPRNN_COMMIT"
   # The toolchain that builds the kernels decides their SASS: record it beside the figures.
   echo "nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [^,]*, V[0-9.]*' || echo none)"
-  echo "python: $($PY -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || echo none)"
-  $PY -c 'import jax, jaxlib; print("jax:", jax.__version__, "jaxlib:", jaxlib.__version__)' \
-    2>/dev/null || echo "jax: none"
+  $PY -c 'import sys; print("python:", sys.version.split()[0])
+try: import jax, jaxlib; print("jax:", jax.__version__, "jaxlib:", jaxlib.__version__)
+except ImportError: print("jax: none")'
 } | tee "$OUT/env.txt"
 
 # The standalone probes (benchmarks/*_probe.cu) build with these flags; tests/test_probes_build.py
