@@ -37,7 +37,7 @@
 # l1-gather: benchmarks/l1_gather_probe.cu (the gather's bytes through weak loads after an L1
 #   invalidation against the kernel's strong loads) for L1_GATHER_CONFIGS.
 # mma-clock: benchmarks/mma_clock_probe.cu (the SM clock while each tensor-core instruction kind
-#   runs).
+#   runs; built for sm_90a, for its wgmma variant).
 # diag-mma: benchmarks/diag_mma_probe.cu (the rows phase alone: CUDA-core rows against sparse rows
 #   as a diagonal mma on the tensor cores, session 69; the cost of a block's last, partial pass
 #   over its rows and of warps that start the rows together, session 71).
@@ -132,7 +132,10 @@ if [ "$MODE" = mma-clock ] || [ "$MODE" = diag-mma ] || [ "$MODE" = func-attr ] 
   # probes without arguments: benchmarks/mma_clock_probe.cu, diag_mma_probe.cu,
   # func_attr_probe.cu, step_kernel_probe.cu
   probe="${MODE//-/_}"
-  "${PROBE_NVCC[@]}" "benchmarks/${probe}_probe.cu" -o "/tmp/${probe}_probe" || exit 1
+  nvcc_cmd=("${PROBE_NVCC[@]}")
+  # mma-clock's wgmma variant needs the arch-specific target (the others stay on plain sm_90).
+  [ "$MODE" = mma-clock ] && nvcc_cmd=("${PROBE_NVCC[@]/#-arch=sm_90/-arch=sm_90a}")
+  "${nvcc_cmd[@]}" "benchmarks/${probe}_probe.cu" -o "/tmp/${probe}_probe" || exit 1
   timeout 120 "/tmp/${probe}_probe" 2>&1 | tee -a "$OUT/$probe.txt"
   exit 0
 fi

@@ -24,15 +24,16 @@ def gpu_check_nvcc():
     return shlex.split(m.group(1))
 
 
-# build -> (probe source, the extra nvcc flags of its gpu_check.sh mode); the step probe's
-# default build has the probe mode as a constant, its other build reads it at run time.
+# build -> (probe source, the extra nvcc flags of its gpu_check.sh mode; an -arch there replaces
+# the shared one); the step probe's default build has the probe mode as a constant, its other
+# build reads it at run time.
 PROBES = {
     "step_probe": ("step_probe", ["-DSPRNN_STEP_PROBE", "-DSPRNN_PROBE_FIXED_MODE=0"]),
     "step_probe_runtime_mode": ("step_probe", ["-DSPRNN_STEP_PROBE"]),
     "exchange_probe": ("exchange_probe", []),
     "l1_gather_probe": ("l1_gather_probe", []),
     "cluster_reg_probe": ("cluster_reg_probe", []),
-    "mma_clock_probe": ("mma_clock_probe", []),
+    "mma_clock_probe": ("mma_clock_probe", ["-arch=sm_90a"]),
     "diag_mma_probe": ("diag_mma_probe", []),
     "func_attr_probe": ("func_attr_probe", []),
     "step_kernel_probe": ("step_kernel_probe", []),
@@ -46,6 +47,8 @@ def test_probe_builds(build, tmp_path):
     nvcc, *flags = gpu_check_nvcc()
     assert nvcc == "nvcc"
     source, extra = PROBES[build]
+    if any(f.startswith("-arch=") for f in extra):
+        flags = [f for f in flags if not f.startswith("-arch=")]
     cmd = [NVCC, *flags, *extra, os.path.join("benchmarks", source + ".cu"), "-o", str(exe)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
