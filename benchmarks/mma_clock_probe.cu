@@ -6,9 +6,9 @@
 // ran at (clock64 cycles per %globaltimer ns) per variant. Session 37 (H200): 1.98 GHz with FMAs
 // only and with fp64 DMMA; 1.80-1.815 GHz with every HMMA and IMMA kind (f16 or bf16 into f32 or
 // f16, tf32, s8), even one per warp and ~4000 cycles: the 16-bit and integer tensor pipe lowers
-// the clock whatever its load. Session 108 adds the kinds that session did not run: Hopper's
-// warpgroup `wgmma` (an sm_90a build only), the 2:4 sparse `mma.sp`, and HMMAs in every other
-// block only (is the lower clock per SM or the whole GPU's?).
+// the clock whatever its load. Session 108 added Hopper's warpgroup `wgmma` (an sm_90a build
+// only), the 2:4 sparse `mma.sp`, and HMMAs in every other block only: 1.80 GHz for each, and
+// the blocks without HMMAs ran at 1.80 too (the lower clock is the whole GPU's, not per SM).
 // Build: nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc benchmarks/mma_clock_probe.cu -o /tmp/mma_clock_probe
 // (with -arch=sm_90 the wgmma variant reports itself as not built).
 #include <algorithm>
