@@ -400,6 +400,24 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
                 pct(per, 0.9), pct(per, 0.99), per.back());
     for (auto e = steps.rbegin(); e != steps.rend() && e - steps.rbegin() < 8; ++e)
       std::printf(" %d:%.2f", e->second, e->first);
+    // By the exchange slot a step gathers from (step s reads slot (s - 1) & 1, so parity is
+    // the slot) and by s mod 4 (the sign-tag value the gather expects): is the tail one slot's
+    // placement in L2 or the tag? Slow = more than 0.15 us above the median.
+    {
+      const double p50 = pct(per, 0.5);
+      std::printf("\n     by step mod 4 (mean us, slow share):");
+      for (int m = 0; m < 4; ++m) {
+        double sum = 0;
+        int n = 0, slow = 0;
+        for (const auto& e : steps)
+          if (e.second % 4 == m) sum += e.first, ++n, slow += e.first > p50 + 0.15;
+        std::printf(" %d: %.3f %d/%d", m, n ? sum / n : 0.0, slow, n);
+      }
+      const unsigned long long xa = reinterpret_cast<unsigned long long>(p.xbuf);
+      const unsigned long long slot = static_cast<unsigned long long>(exchange_units(H)) * kBT *
+                                       sizeof(typename XWord<kCell, DType::kF16, kBT>::P);
+      std::printf(" | xbuf %% 2 MB: %llu KB, slot bytes %llu", (xa & ((1ull << 21) - 1)) >> 10, slot);
+    }
     // Which block published last the h that a step gathers (%globaltimer at its update done of
     // the step before), over all steps and over the slowest tenth: one late block every time
     // would point at its share of the work.
