@@ -31,8 +31,9 @@
 // float64 host recurrence (a sanity check while trying kernel changes; tests/ is the real one).
 // A second line splits the traced run by position: step periods in windows of the call, and
 // the launch + prologue + tail around the steps; a third gives the spread of the steps' real
-// periods and the slowest steps, a fourth the SM clock of the slowest steps against the rest,
-// a fifth the blocks that most often published last.
+// periods and the slowest steps, a fourth their mean and slow share by step mod 4 (parity is
+// the exchange slot a step reads) with the buffer's offset in its 2 MB page, a fifth the SM
+// clock of the slowest steps against the rest, a sixth the blocks that most often published last.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
