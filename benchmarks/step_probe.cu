@@ -396,8 +396,9 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     std::sort(steps.begin(), steps.end());
     std::vector<double> per;
     for (const auto& e : steps) per.push_back(e.first);
+    const double p50 = pct(per, 0.5);
     std::printf("     real step periods (us): mean %.3f p10 %.3f p50 %.3f p90 %.3f p99 %.3f max %.3f | slowest:",
-                std::accumulate(per.begin(), per.end(), 0.0) / per.size(), pct(per, 0.1), pct(per, 0.5),
+                std::accumulate(per.begin(), per.end(), 0.0) / per.size(), pct(per, 0.1), p50,
                 pct(per, 0.9), pct(per, 0.99), per.back());
     for (auto e = steps.rbegin(); e != steps.rend() && e - steps.rbegin() < 8; ++e)
       std::printf(" %d:%.2f", e->second, e->first);
@@ -405,7 +406,6 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
     // the slot) and by s mod 4 (the sign-tag value the gather expects): is the tail one slot's
     // placement in L2 or the tag? Slow = more than 0.15 us above the median.
     {
-      const double p50 = pct(per, 0.5);
       std::printf("\n     by step mod 4 (mean us, slow share):");
       for (int m = 0; m < 4; ++m) {
         double sum = 0;
@@ -415,9 +415,7 @@ void run(const Config& c, double clock_ghz, int sms, int smem_optin) {
         std::printf(" %d: %.3f %d/%d", m, n ? sum / n : 0.0, slow, n);
       }
       const unsigned long long xa = reinterpret_cast<unsigned long long>(p.xbuf);
-      const unsigned long long slot = static_cast<unsigned long long>(exchange_units(H)) * kBT *
-                                       sizeof(typename XWord<kCell, DType::kF16, kBT>::P);
-      std::printf(" | xbuf %% 2 MB: %llu KB, slot bytes %llu", (xa & ((1ull << 21) - 1)) >> 10, slot);
+      std::printf(" | xbuf %% 2 MB: %llu KB", (xa & ((1ull << 21) - 1)) >> 10);
     }
     // Which block published last the h that a step gathers (%globaltimer at its update done of
     // the step before), over all steps and over the slowest tenth: one late block every time
